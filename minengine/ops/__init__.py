@@ -1,0 +1,68 @@
+"""The one place the engine calls kernels.
+
+A backend is a ``KernelSet`` of the three contract functions (see ``triton_kernels``):
+
+- ``torch``: the pure-torch references in ``reference.py`` (CPU engine runs, test oracles);
+- ``triton``: ``triton_kernels`` (CUDA, or CPU under ``TRITON_INTERPRET=1``);
+- ``auto``: ``triton`` for CUDA tensors, ``torch`` otherwise.
+
+The engine resolves its backend once (``get_kernels(name, device)``) and calls the functions
+directly; the module-level wrappers below resolve per call, for scripts and tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+
+class KernelSet(NamedTuple):
+    paged_attention: Callable[..., torch.Tensor]
+    store_kv: Callable[..., None]
+    gather_input_ids: Callable[..., torch.Tensor]
+
+
+def _torch_kernels() -> KernelSet:
+    from minengine.ops import reference
+
+    return KernelSet(reference.paged_attention, reference.store_kv, reference.gather_input_ids)
+
+
+def _triton_kernels() -> KernelSet:
+    import triton_kernels
+
+    return KernelSet(triton_kernels.paged_attention, triton_kernels.store_kv, triton_kernels.gather_input_ids)
+
+
+_BACKENDS: dict[str, Callable[[], KernelSet]] = {"torch": _torch_kernels, "triton": _triton_kernels}
+BACKEND_NAMES = ("auto", *_BACKENDS)
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """The concrete backend ``name`` stands for on ``device`` (``auto``: triton on CUDA, else torch)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; allowed: {', '.join(BACKEND_NAMES)}")
+    if name == "auto":
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+    return name
+
+
+def get_kernels(name: str = "auto", device: torch.device | str = "cpu") -> KernelSet:
+    return _BACKENDS[resolve_backend(name, device)]()
+
+
+def paged_attention(q: torch.Tensor, *args, backend: str = "auto", **kwargs) -> torch.Tensor:
+    return get_kernels(backend, q.device).paged_attention(q, *args, **kwargs)
+
+
+def store_kv(k: torch.Tensor, *args, backend: str = "auto", **kwargs) -> None:
+    return get_kernels(backend, k.device).store_kv(k, *args, **kwargs)
+
+
+def gather_input_ids(prefill_ids: torch.Tensor, *args, backend: str = "auto", **kwargs) -> torch.Tensor:
+    return get_kernels(backend, prefill_ids.device).gather_input_ids(prefill_ids, *args, **kwargs)
+
+
+__all__ = ["BACKEND_NAMES", "KernelSet", "gather_input_ids", "get_kernels", "paged_attention", "resolve_backend", "store_kv"]

@@ -1,0 +1,226 @@
+"""paged_attention: every rule of the contract, Triton kernel against the float64 reference.
+
+Runs on CPU under TRITON_INTERPRET=1 (small shapes) and on a GPU when there is one.
+Inputs are fresh random each run; caches are poisoned with NaN wherever the kernel must not read;
+outputs are poisoned with NaN before each call, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import triton_kernels
+from minengine.ops import reference
+from minengine.ops.testing import make_paged_batch, relative_error
+from triton_kernels.contract import check_paged_attention, check_paged_attention_values
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# ||out - ref|| / ||ref|| against float64; bf16/fp16 carry the rounding of P before the PV matmul.
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# A mixed batch: decodes, a fresh prompt, chunks over a cached prefix, and an empty entry.
+MIXED_Q = [1, 7, 0, 1, 12, 3]
+MIXED_KV = [9, 7, 4, 23, 30, 3]
+
+
+def run_and_check(batch, dtype, **kwargs) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    res = triton_kernels.paged_attention(*batch.args(), out=out, **kwargs)
+    assert res is out
+    ref = reference.paged_attention(*batch.to_float64(), softmax_scale=kwargs.get("softmax_scale"))
+    assert not out.isnan().any(), "output has unwritten (NaN) elements"
+    err = relative_error(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.2e} >= {TOL[dtype]:.0e}"
+    return out
+
+
+def batch_for(q_lens, kv_lens, dtype, device, hq=4, hkv=2, d=64, page=5, **kw):
+    return make_paged_batch(
+        q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=dtype, device=device, **kw
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_batch_one_launch(dtype, page_size, device):
+    run_and_check(batch_for(MIXED_Q, MIXED_KV, dtype, device, page=page_size), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128, 256])
+def test_head_dims(head_dim, device):
+    run_and_check(batch_for([1, 5], [6, 11], torch.float16, device, d=head_dim), torch.float16)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (8, 2), (10, 2), (16, 1)])
+def test_gqa_ratios(hq, hkv, device):
+    run_and_check(batch_for([1, 4, 1], [12, 4, 20], torch.float16, device, hq=hq, hkv=hkv), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fresh_prompts_only(dtype, device):
+    run_and_check(batch_for([6, 17], [6, 17], dtype, device), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decodes_only(dtype, device):
+    run_and_check(batch_for([1] * 5, [1, 5, 16, 33, 2], dtype, device, page=16), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv(num_splits, dtype, device):
+    """Flash-decoding path: long decodes (and a chunk) split num_splits ways, then merged."""
+    batch = batch_for([1, 1, 9], [70, 3, 40], dtype, device, page=16)
+    run_and_check(batch, dtype, num_splits=num_splits)
+
+
+def test_split_kv_is_chosen_for_few_long_decodes(device):
+    from triton_kernels.attention import pick_num_splits
+
+    assert pick_num_splits(num_tokens=2, num_seqs=2, block_q=4, num_kv_heads=1, device=device) > 1
+    assert pick_num_splits(num_tokens=4096, num_seqs=8, block_q=32, num_kv_heads=8, device=device) == 1
+
+
+@pytest.mark.parametrize("kv_views", [True, False])
+def test_cache_layouts(kv_views, device):
+    batch = batch_for(MIXED_Q, MIXED_KV, torch.float16, device, kv_views=kv_views)
+    assert batch.k_cache.is_contiguous() is not kv_views
+    run_and_check(batch, torch.float16)
+
+
+def test_softmax_scale(device):
+    run_and_check(batch_for([3, 1], [8, 9], torch.float32, device), torch.float32, softmax_scale=0.37)
+
+
+def test_out_allocated_when_omitted(device):
+    batch = batch_for([2, 1], [5, 6], torch.float16, device)
+    out = triton_kernels.paged_attention(*batch.args())
+    ref = reference.paged_attention(*batch.to_float64())
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert relative_error(out, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_padding_rows_are_zeroed(num_splits, device):
+    """Rows past cu_seqlens_q[-1] (e.g. a padded graph batch) are written, as zeros."""
+    batch = batch_for([1, 3], [7, 3], torch.float32, device, num_tokens=9)
+    out = run_and_check(batch, torch.float32, num_splits=num_splits)
+    assert torch.equal(out[4:], torch.zeros_like(out[4:]))
+
+
+def test_empty_batches(device):
+    batch = batch_for([0, 0], [4, 5], torch.float16, device)
+    assert triton_kernels.paged_attention(*batch.args()).shape == (0, 4, 64)
+    none = batch_for([], [], torch.float16, device)
+    assert triton_kernels.paged_attention(*none.args()).shape == (0, 4, 64)
+
+
+def test_random_batches(device):
+    """Fresh random batch compositions, shapes and dtypes each run."""
+    rng = random.Random()
+    for _ in range(4):
+        dtype = rng.choice(DTYPES)
+        n = rng.randint(1, 4)
+        kv = [rng.randint(1, 40) for _ in range(n)]
+        q = [rng.choice([0, 1, rng.randint(0, s)]) for s in kv]
+        hkv = rng.choice([1, 2])
+        hq = hkv * rng.choice([1, 3, 4])
+        batch = batch_for(q, kv, dtype, device, hq=hq, hkv=hkv, d=rng.choice([32, 48, 64]), page=rng.randint(1, 9))
+        run_and_check(batch, dtype, num_splits=rng.choice([None, 1, 2]))
+
+
+def test_triton_matches_torch_backend(device):
+    """The torch backend (engine on CPU) and the kernel agree in the working dtype too."""
+    batch = batch_for(MIXED_Q, MIXED_KV, torch.float32, device)
+    torch.testing.assert_close(
+        triton_kernels.paged_attention(*batch.args()), reference.paged_attention(*batch.args()), rtol=1e-5, atol=1e-5
+    )
+
+
+# --- argument checks -----------------------------------------------------------------------
+
+
+def _bad(device, **change):
+    batch = batch_for([2, 1], [4, 6], torch.float16, device)
+    args = dict(zip(["q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "max_seqlen_q"], batch.args()))
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: dict(q=a["q"][..., :40]), "head dim"),
+        (lambda a: dict(q=a["q"].float()), "must equal q.dtype"),
+        (lambda a: dict(q=a["q"][:, :3]), "multiple of Hkv"),
+        (lambda a: dict(block_tables=a["block_tables"].long()), "block_tables.dtype"),
+        (lambda a: dict(seq_lens=a["seq_lens"][:1]), "seq_lens has shape"),
+        (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q.dtype"),
+        (lambda a: dict(max_seqlen_q=-1), "max_seqlen_q"),
+        (lambda a: dict(v_cache=a["v_cache"][:, :2]), "v_cache has shape"),
+        (lambda a: dict(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+    ],
+)
+def test_bad_arguments_raise(change, message, device):
+    args = _bad(device)
+    args.update(change(args))
+    with pytest.raises(ValueError, match=message):
+        triton_kernels.paged_attention(**args)
+    with pytest.raises(ValueError, match=message):
+        reference.paged_attention(**args)
+
+
+def test_float64_only_in_the_reference(device):
+    args = _bad(device)
+    args.update(q=args["q"].double(), k_cache=args["k_cache"].double(), v_cache=args["v_cache"].double())
+    with pytest.raises(ValueError, match="q.dtype is torch.float64"):
+        triton_kernels.paged_attention(**args)
+    assert reference.paged_attention(**args).dtype == torch.float64
+
+
+def test_bad_out_raises(device):
+    args = _bad(device)
+    with pytest.raises(ValueError, match="out has shape"):
+        triton_kernels.paged_attention(**args, out=args["q"][:1])
+    with pytest.raises(ValueError, match="out.dtype"):
+        triton_kernels.paged_attention(**args, out=args["q"].float())
+
+
+@pytest.mark.parametrize("num_splits", [0, 3, 32])
+def test_bad_num_splits_raises(num_splits, device):
+    with pytest.raises(ValueError, match="num_splits is"):
+        triton_kernels.paged_attention(**_bad(device), num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"] + 1), r"cu_seqlens_q\[0\]"),
+        (lambda a: dict(cu_seqlens_q=torch.tensor([0, 2, 1], dtype=torch.int32, device=a["q"].device)), "non-decreasing"),
+        (lambda a: dict(max_seqlen_q=1), "exceeds max_seqlen_q"),
+        (lambda a: dict(seq_lens=a["seq_lens"] * 0 + 1), "seq_lens"),
+        (lambda a: dict(seq_lens=a["seq_lens"] + 1000), "max_pages_per_seq"),
+        (lambda a: dict(block_tables=a["block_tables"] * 0 + 999), "page ids"),
+    ],
+)
+def test_debug_value_checks(change, message, device, monkeypatch):
+    """With MINENGINE_KERNEL_DEBUG=1 the launcher checks the values (host sync) too."""
+    args = _bad(device)
+    args.update(change(args))
+    dims = check_paged_attention(**args, out=None)
+    with pytest.raises(ValueError, match=message):
+        check_paged_attention_values(dims, args["block_tables"], args["seq_lens"], args["cu_seqlens_q"], args["max_seqlen_q"])
+    monkeypatch.setenv("MINENGINE_KERNEL_DEBUG", "1")
+    with pytest.raises(ValueError, match=message):
+        triton_kernels.paged_attention(**args)
+
+
+def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    import triton_kernels._common as common
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    batch = batch_for([1], [3], torch.float16, "cpu")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_kernels.paged_attention(*batch.args())

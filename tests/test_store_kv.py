@@ -1,0 +1,87 @@
+"""store_kv: the Triton kernel writes exactly the mapped slots, skips padding, touches nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import triton_kernels
+from minengine.ops import reference
+
+
+def make_case(dtype, page_size, device, num_tokens=11, hkv=2, d=64, num_pages=6, kv_views=True, pad=3):
+    if kv_views:
+        kv = torch.randn(num_pages, 2, page_size, hkv, d, device=device).to(dtype)
+        k_cache, v_cache = kv[:, 0], kv[:, 1]
+    else:
+        k_cache = torch.randn(num_pages, page_size, hkv, d, device=device).to(dtype)
+        v_cache = torch.randn(num_pages, page_size, hkv, d, device=device).to(dtype)
+    capacity = num_pages * page_size
+    n_real = min(num_tokens - pad, capacity)
+    slots = torch.randperm(capacity)[:n_real]
+    slots = torch.cat([slots, torch.full((num_tokens - n_real,), -1)])[torch.randperm(num_tokens)]
+    k = torch.randn(num_tokens, hkv, d, device=device).to(dtype)
+    v = torch.randn(num_tokens, hkv, d, device=device).to(dtype)
+    return k, v, k_cache, v_cache, slots.to(device)
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_store_kv_matches_reference_exactly(dtype, page_size, device):
+    k, v, k_cache, v_cache, slots = make_case(dtype, page_size, device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k, v, k_ref, v_ref, slots)
+    triton_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    # bit-exact everywhere: written slots hold k/v, every other slot is unchanged
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("head_dim", [32, 80, 256])
+def test_store_kv_head_dims_and_separate_caches(head_dim, device):
+    k, v, k_cache, v_cache, slots = make_case(torch.float16, 5, device, d=head_dim, hkv=3, kv_views=False)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    triton_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    page_size = k_cache.shape[1]
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(k_cache[s // page_size, s % page_size], k[i])
+            assert torch.equal(v_cache[s // page_size, s % page_size], v[i])
+            before_k[s // page_size, s % page_size] = k[i]
+            before_v[s // page_size, s % page_size] = v[i]
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+def test_store_kv_all_padding_and_empty(device):
+    k, v, k_cache, v_cache, slots = make_case(torch.float16, 4, device)
+    before = k_cache.clone()
+    triton_kernels.store_kv(k, v, k_cache, v_cache, torch.full_like(slots, -1))
+    triton_kernels.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])
+    assert torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(slot_mapping=lambda a: a["slot_mapping"].int()), "slot_mapping.dtype"),
+        (dict(k=lambda a: a["k"].float()), "k.dtype"),
+        (dict(v=lambda a: a["v"][:, :1]), "v has shape"),
+        (dict(k=lambda a: a["k"][..., :32], v=lambda a: a["v"][..., :32]), "must match the cache"),
+        (dict(slot_mapping=lambda a: a["slot_mapping"][:3]), "slot_mapping has shape"),
+    ],
+)
+def test_store_kv_bad_arguments(change, message, device):
+    k, v, k_cache, v_cache, slots = make_case(torch.float16, 4, device)
+    args = dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    args.update({name: fn(args) for name, fn in change.items()})
+    for impl in (triton_kernels.store_kv, reference.store_kv):
+        with pytest.raises(ValueError, match=message):
+            impl(**args)
+
+
+def test_store_kv_debug_checks(device, monkeypatch):
+    k, v, k_cache, v_cache, slots = make_case(torch.float16, 4, device)
+    monkeypatch.setenv("MINENGINE_KERNEL_DEBUG", "1")
+    with pytest.raises(ValueError, match="allowed: < num_pages"):
+        triton_kernels.store_kv(k, v, k_cache, v_cache, slots * 0 + 10**6)
+    with pytest.raises(ValueError, match="one slot twice"):
+        triton_kernels.store_kv(k, v, k_cache, v_cache, slots * 0)

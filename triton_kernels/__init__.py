@@ -1,0 +1,18 @@
+"""Triton kernels of minengine: tensors in, tensors out, one contract per kernel.
+
+- ``paged_attention``: mixed chunked-prefill + decode attention over paged KV, one launch.
+- ``store_kv``: write this step's K/V into the paged caches.
+- ``gather_input_ids``: the mixed-batch input_ids gather of overlap scheduling.
+
+Each kernel's file opens with its contract; ``contract.py`` holds the argument checks that
+every backend shares. This package imports nothing from ``minengine``.
+
+On a machine without a GPU, set ``TRITON_INTERPRET=1`` before importing this package to run
+the kernels in Triton's interpreter (slow; small shapes only).
+"""
+
+from triton_kernels.input_ids import gather_input_ids
+from triton_kernels.attention import paged_attention
+from triton_kernels.kv_cache import store_kv
+
+__all__ = ["gather_input_ids", "paged_attention", "store_kv"]

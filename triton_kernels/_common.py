@@ -1,0 +1,46 @@
+"""Helpers shared by the Triton launchers: interpreter detection, device facts, debug checks."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+_TRUE = ("1", "true", "on", "yes")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime"):
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
+
+
+def debug_checks() -> bool:
+    """Value checks that need a host sync run only when ``MINENGINE_KERNEL_DEBUG=1``."""
+    return os.environ.get("MINENGINE_KERNEL_DEBUG", "0").lower() in _TRUE
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a small fixed number when interpreting."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check_runnable(*tensors: torch.Tensor) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {t.device} and {device}")
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return
+    raise RuntimeError(
+        f"the triton backend cannot run on {device} tensors: use CUDA tensors, or set "
+        "TRITON_INTERPRET=1 before importing triton_kernels, or use the torch backend"
+    )

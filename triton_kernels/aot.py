@@ -1,0 +1,138 @@
+"""Compile the kernels for a GPU target on any machine, GPU or not, and read their resources.
+
+Triton ships ptxas and cuobjdump, so TTIR -> TTGIR -> PTX -> cubin runs on a CPU-only machine.
+Tests use this, in a subprocess without ``TRITON_INTERPRET``, to prove the kernels compile for
+sm_80 and sm_90 (the interpreter never goes through the compiler), and ``profiles/compile_report.py`` prints registers, spills, shared
+memory and the matrix instructions of each tile config.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
+
+from triton_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, pick_config
+from triton_kernels.input_ids import _gather_input_ids_kernel
+from triton_kernels.kv_cache import _store_kv_kernel
+
+TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+
+
+def compile_for_target(fn, arg_types: dict[str, str], constexprs: dict[str, Any], arch: int, **options):
+    """Compile a ``@triton.jit`` function for ``sm_<arch>``.
+
+    ``arg_types`` maps each runtime argument to a Triton type ("*bf16", "i32", "fp32"); pointers
+    and ``stride_*`` arguments get the 16-divisibility hint the launcher would find at run time.
+    """
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError(
+            "compiling for a GPU target needs Triton's compiler: unset TRITON_INTERPRET (under the "
+            "interpreter, @triton.jit builds interpreter shims, Triton's own tl.* helpers included)"
+        )
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = arg_types[name]
+        if arg_types[name].startswith("*") or name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _strides(fn) -> dict[str, str]:
+    return {name: "i32" for name in fn.arg_names if name.startswith("stride_")}
+
+
+def compile_attention(
+    arch: int,
+    dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    page_size: int,
+    num_splits: int,
+    max_seqlen_q: int,
+    num_kv_heads: int = 8,
+):
+    """The attention kernel as the launcher configures it for this call shape."""
+    cfg = pick_config(max_seqlen_q, group, head_dim, dtype, interpret=False)
+    elem = "*" + TRITON_TYPES[dtype]
+    types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), elem)
+    types |= dict.fromkeys(("part_acc_ptr", "part_ml_ptr"), "*fp32")
+    types |= dict.fromkeys(("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"), "*i32")
+    types |= dict(num_seqs="i32", num_tokens="i32", scale_log2e="fp32") | _strides(_paged_attention_kernel)
+    constexprs = dict(
+        NUM_Q_HEADS=num_kv_heads * group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=group,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=max(1, cfg.block_m // group),
+        TILE_N=cfg.tile_n,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        DOT_FP32=False,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
+    compiled = compile_for_target(
+        _paged_attention_kernel, types, constexprs, arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages
+    )
+    return cfg, compiled
+
+
+def compile_merge(arch: int, dtype: torch.dtype, head_dim: int, num_splits: int):
+    types = dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + TRITON_TYPES[dtype], num_tokens="i32")
+    constexprs = dict(NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits)
+    return compile_for_target(_merge_splits_kernel, types | _strides(_merge_splits_kernel), constexprs, arch, num_warps=4)
+
+
+def compile_store_kv(arch: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int, page_size: int):
+    elem = "*" + TRITON_TYPES[dtype]
+    types = dict.fromkeys(("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"), elem) | dict(slot_mapping_ptr="*i64")
+    constexprs = dict(
+        NUM_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size,
+    )
+    return compile_for_target(_store_kv_kernel, types | _strides(_store_kv_kernel), constexprs, arch, num_warps=4)
+
+
+def compile_gather(arch: int, id_dtype: torch.dtype, index_dtype: torch.dtype):
+    ids = "*" + TRITON_TYPES[id_dtype]
+    types = dict(prefill_ptr=ids, buffer_ptr=ids, out_ptr=ids, indices_ptr="*" + TRITON_TYPES[index_dtype])
+    types |= dict(num_prefill="i32", total="i32") | _strides(_gather_input_ids_kernel)
+    return compile_for_target(_gather_input_ids_kernel, types, dict(BLOCK=1024), arch, num_warps=4)
+
+
+def cuobjdump() -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def resources(compiled) -> dict[str, Any]:
+    """Registers per thread, spilled bytes, shared memory and the matrix instructions in SASS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump(), "-sass", path], capture_output=True, text=True).stdout
+
+    def field(key: str) -> int:
+        m = re.search(rf"\b{key}:(\d+)", usage)
+        return int(m.group(1)) if m else -1
+
+    mma = "HGMMA" if "HGMMA" in sass else "HMMA" if "HMMA" in sass else "none"
+    # spilled registers show up as a stack frame (and local memory)
+    return dict(regs=field("REG"), spill_bytes=field("STACK") + field("LOCAL"), shared_bytes=compiled.metadata.shared, mma=mma)

@@ -1,0 +1,308 @@
+"""Paged attention for a mixed batch of prefill chunks and decodes, in one launch.
+
+Contract::
+
+    paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
+                    softmax_scale=None, out=None, *, num_splits=None) -> Tensor
+
+    q             [num_tokens, Hq, D]           fp16 / bf16 / fp32; last dim contiguous
+    k_cache       [num_pages, page_size, Hkv, D] same dtype as q; any strides (last dim 1), so
+    v_cache       [num_pages, page_size, Hkv, D] kv[:, 0] / kv[:, 1] views of one tensor work
+    block_tables  int32 [num_seqs, max_pages_per_seq]  page ids of each sequence, in order
+    seq_lens      int32 [num_seqs]     KV length of each sequence, this step's tokens included
+                                       (they are already in the cache)
+    cu_seqlens_q  int32 [num_seqs + 1] query offsets; q_len_b = cu[b + 1] - cu[b] >= 0
+    max_seqlen_q  host int >= max q_len (used only to pick tile shapes: no host sync)
+    softmax_scale defaults to D ** -0.5
+    out           optional, like q; written and returned
+    num_splits    optional override of the split-KV factor (None: chosen from the batch shape)
+
+Query j of sequence b sits at position seq_len_b - q_len_b + j and attends causally to KV
+positions 0..that position. Decodes (q_len 1), chunks over a cached prefix (seq_len > q_len),
+fresh prompts (seq_len == q_len) and empty entries (q_len 0) mix freely. Hq is any multiple of
+Hkv, D any multiple of 16 in [32, 256], page_size any integer >= 1. Accumulation is fp32; the
+output has q's dtype. Rows of ``out`` past cu_seqlens_q[-1] (padding tokens) are written as 0.
+
+Never read: block-table entries past a sequence's last page, and cache slots at or past
+seq_len. All cache offsets are 64-bit, so caches of more than 2**31 elements work.
+
+Design: one program handles BLOCK_M rows = BLOCK_Q query tokens x the GROUP query heads that
+share one KV head, so a decode still feeds the tensor cores (GQA packing). Query blocks of all
+sequences are laid out on grid axis 0 without a host sync: sequence b owns the program ids
+[cu[b] // BLOCK_Q + b, cu[b + 1] // BLOCK_Q + b + 1), found by binary search, and one extra
+range covers padding tokens. KV is read TILE_N tokens at a time; each token's page comes from
+the block table, so any page size works. With split-KV (flash-decoding), grid axis 2 splits each
+program's KV range; partial (acc, max, sum) go to an fp32 workspace and one reduce launch merges
+them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels._common import check_runnable, debug_checks, interpreting, num_sms
+from triton_kernels.contract import check_paged_attention, check_paged_attention_values
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    num_seqs, num_tokens, scale_log2e,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Which sequence owns this query block: the last b with cu[b] // BLOCK_Q + b <= pid.
+    # b == num_seqs is the padding range past cu[num_seqs].
+    lo = num_seqs * 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    is_seq = seq < num_seqs
+    q_end = tl.load(cu_seqlens_q_ptr + seq + 1, mask=is_seq, other=num_tokens)
+    seq_len = tl.load(seq_lens_ptr + seq, mask=is_seq, other=0)
+    tok0 = q_start + (pid - q_start // BLOCK_Q - seq) * BLOCK_Q
+    if tok0 >= q_end:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_tok = offs_m // GROUP
+    q_head = kv_head * GROUP + offs_m % GROUP
+    token = tok0 + row_tok
+    row_valid = (row_tok < BLOCK_Q) & (token < q_end)
+    # Causal position of each row; padding rows get seq_len 0 and so see no key.
+    pos = seq_len - q_end + token
+
+    q_offs = token.to(tl.int64)[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # KV range of this program: keys 0..(position of its last row), split NUM_SPLITS ways.
+    kv_end = tl.maximum(seq_len - q_end + tl.minimum(tok0 + BLOCK_Q, q_end), 0)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    offs_n = tl.arange(0, TILE_N)
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = tile * TILE_N + offs_n
+        kv_valid = kv_pos < kv_end
+        page = tl.load(bt_row + kv_pos // PAGE_SIZE, mask=kv_valid, other=0).to(tl.int64)
+        slot = kv_pos % PAGE_SIZE
+        kv_mask = kv_valid[:, None] & d_mask[None, :]
+        k_offs = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
+        k = tl.load(k_head + k_offs, mask=kv_mask, other=0.0)
+        v_offs = page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :]
+        v = tl.load(v_head + v_offs, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        causal = (kv_pos[None, :] <= pos[:, None]) & kv_valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_offs = token.to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # workspace: acc [NUM_SPLITS, num_tokens, Hq, HEAD_DIM], (max, sum) [NUM_SPLITS, num_tokens, Hq, 2]
+        row = (split * num_tokens + token.to(tl.int64)) * NUM_Q_HEADS + q_head
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr,
+    num_tokens,
+    stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row = (offs_s * num_tokens + token) * NUM_Q_HEADS + head
+    m = tl.load(part_ml_ptr + row * 2)
+    l = tl.load(part_ml_ptr + row * 2 + 1)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    l_sum = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+class AttentionConfig(NamedTuple):
+    block_m: int
+    tile_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype, interpret: bool) -> AttentionConfig:
+    """Tile shapes per call shape.
+
+    Not yet tuned on a GPU (no device was lent while writing this): the GPU rows are starting
+    points checked only for spills, shared memory and the matrix instructions used, by
+    compiling for sm_90 and sm_80 on a CPU machine (profiles/compile_report.py); replace them
+    with a table measured by benchmarks/bench_attention.py on the device it names.
+    """
+    group_rows = max(16, triton.next_power_of_2(group))
+    if interpret:
+        return AttentionConfig(block_m=group_rows, tile_n=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:  # exact fp32 dots run on FMA units: 8 warps keep sm_90 from spilling
+        return AttentionConfig(group_rows, tile_n=32, num_warps=8, num_stages=2)
+    wide = head_dim > 128
+    if max_seqlen_q * group <= group_rows:  # decode-only (or tiny chunks): one token per row group
+        return AttentionConfig(group_rows, tile_n=32 if wide else 64, num_warps=4, num_stages=3)
+    block_m = max(group_rows, 64 if wide else 128)
+    return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8 if block_m >= 128 else 4, num_stages=2)
+
+
+def pick_num_splits(num_tokens: int, num_seqs: int, block_q: int, num_kv_heads: int, device: torch.device) -> int:
+    """Split-KV factor from the batch shape alone (no host sync).
+
+    Split only when the grid is too small to fill the device (few, long decodes): aim at about
+    two programs per SM. Sequences shorter than a split's share just leave some splits empty.
+    """
+    programs = (num_tokens // block_q + num_seqs) * num_kv_heads
+    target = 2 * num_sms(device)
+    if programs == 0 or programs >= target:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
+    check_runnable(q, k_cache)
+    if debug_checks():
+        check_paged_attention_values(dims, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q)
+    if out is None:
+        out = torch.empty_like(q)
+    if dims.num_tokens == 0:
+        return out
+    group = dims.num_q_heads // dims.num_kv_heads
+    interpret = interpreting()
+    cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret)
+    block_q = max(1, cfg.block_m // group)
+    if num_splits is None:
+        num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
+    if not (1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0):
+        raise ValueError(f"num_splits is {num_splits}; allowed: a power of two from 1 to {MAX_SPLITS}")
+    scale = dims.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+    block_d = triton.next_power_of_2(dims.head_dim)
+
+    if num_splits > 1:
+        part_acc = torch.empty(
+            (num_splits, dims.num_tokens, dims.num_q_heads, dims.head_dim), dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty((num_splits, dims.num_tokens, dims.num_q_heads, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+
+    grid = (dims.num_tokens // block_q + dims.num_seqs + 1, dims.num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_acc, part_ml,
+        block_tables, seq_lens, cu_seqlens_q,
+        dims.num_seqs, dims.num_tokens, scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        NUM_Q_HEADS=dims.num_q_heads,
+        HEAD_DIM=dims.head_dim,
+        BLOCK_D=block_d,
+        GROUP=group,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=block_q,
+        TILE_N=cfg.tile_n,
+        PAGE_SIZE=dims.page_size,
+        NUM_SPLITS=num_splits,
+        DOT_FP32=interpret and q.dtype == torch.bfloat16,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(dims.num_tokens, dims.num_q_heads)](
+            part_acc, part_ml, out,
+            dims.num_tokens,
+            out.stride(0), out.stride(1),
+            NUM_Q_HEADS=dims.num_q_heads,
+            HEAD_DIM=dims.head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            num_warps=4 if not interpret else 1,
+        )
+    return out
