@@ -37,8 +37,20 @@ def main() -> None:
                     for kind, max_q, splits in KINDS:
                         cfg, compiled = compile_attention(arch, DTYPES[dt], d, group, args.page_size, splits, max_q)
                         r = resources(compiled)
-                        row = (arch, dt, d, group, kind, cfg.block_m, cfg.tile_n, cfg.num_warps,
-                               r["regs"], r["spill_bytes"], r["shared_bytes"], r["mma"])
+                        row = (
+                            arch,
+                            dt,
+                            d,
+                            group,
+                            kind,
+                            cfg.block_m,
+                            cfg.tile_n,
+                            cfg.num_warps,
+                            r["regs"],
+                            r["spill_bytes"],
+                            r["shared_bytes"],
+                            r["mma"],
+                        )
                         print(" ".join(f"{v:>6}" for v in row), flush=True)
 
 

@@ -10,7 +10,6 @@ import torch
 # Must happen before anything imports triton_kernels: @triton.jit reads it at decoration time.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton >= 3.9's notice; same behaviour
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -29,7 +29,9 @@ def test_backends_agree(backend, device):
     out = ops.paged_attention(*batch.args(), backend=backend)
     torch.testing.assert_close(out, reference.paged_attention(*batch.args()), rtol=1e-5, atol=1e-5)
     ids = ops.gather_input_ids(
-        torch.arange(3, device=device), torch.arange(10, 20, device=device), torch.tensor([4, 0], device=device),
+        torch.arange(3, device=device),
+        torch.arange(10, 20, device=device),
+        torch.tensor([4, 0], device=device),
         backend=backend,
     )
     assert ids.tolist() == [0, 1, 2, 14, 10]

@@ -144,7 +144,13 @@ def test_triton_matches_torch_backend(device):
 
 def _bad(device, **change):
     batch = batch_for([2, 1], [4, 6], torch.float16, device)
-    args = dict(zip(["q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "max_seqlen_q"], batch.args()))
+    args = dict(
+        zip(
+            ["q", "k_cache", "v_cache", "block_tables", "seq_lens", "cu_seqlens_q", "max_seqlen_q"],
+            batch.args(),
+            strict=True,
+        )
+    )
     args.update(change)
     return args
 
@@ -198,7 +204,10 @@ def test_bad_num_splits_raises(num_splits, device):
     ("change", "message"),
     [
         (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"] + 1), r"cu_seqlens_q\[0\]"),
-        (lambda a: dict(cu_seqlens_q=torch.tensor([0, 2, 1], dtype=torch.int32, device=a["q"].device)), "non-decreasing"),
+        (
+            lambda a: dict(cu_seqlens_q=torch.tensor([0, 2, 1], dtype=torch.int32, device=a["q"].device)),
+            "non-decreasing",
+        ),
         (lambda a: dict(max_seqlen_q=1), "exceeds max_seqlen_q"),
         (lambda a: dict(seq_lens=a["seq_lens"] * 0 + 1), "seq_lens"),
         (lambda a: dict(seq_lens=a["seq_lens"] + 1000), "max_pages_per_seq"),
@@ -211,7 +220,9 @@ def test_debug_value_checks(change, message, device, monkeypatch):
     args.update(change(args))
     dims = check_paged_attention(**args, out=None)
     with pytest.raises(ValueError, match=message):
-        check_paged_attention_values(dims, args["block_tables"], args["seq_lens"], args["cu_seqlens_q"], args["max_seqlen_q"])
+        check_paged_attention_values(
+            dims, args["block_tables"], args["seq_lens"], args["cu_seqlens_q"], args["max_seqlen_q"]
+        )
     monkeypatch.setenv("MINENGINE_KERNEL_DEBUG", "1")
     with pytest.raises(ValueError, match=message):
         triton_kernels.paged_attention(**args)

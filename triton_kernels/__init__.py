@@ -11,8 +11,15 @@ On a machine without a GPU, set ``TRITON_INTERPRET=1`` before importing this pac
 the kernels in Triton's interpreter (slow; small shapes only).
 """
 
-from triton_kernels.input_ids import gather_input_ids
-from triton_kernels.attention import paged_attention
-from triton_kernels.kv_cache import store_kv
+import os
+
+# NOTE: Triton 3.9 warns that FP fusion (FMA contraction) will default to off in 3.10. Our
+# kernels are written and tested with it on, as on every earlier Triton; keep it unless the
+# user chose otherwise. Set before any kernel compiles.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+from triton_kernels.attention import paged_attention  # noqa: E402
+from triton_kernels.input_ids import gather_input_ids  # noqa: E402
+from triton_kernels.kv_cache import store_kv  # noqa: E402
 
 __all__ = ["gather_input_ids", "paged_attention", "store_kv"]

@@ -2,8 +2,9 @@
 
 Triton ships ptxas and cuobjdump, so TTIR -> TTGIR -> PTX -> cubin runs on a CPU-only machine.
 Tests use this, in a subprocess without ``TRITON_INTERPRET``, to prove the kernels compile for
-sm_80 and sm_90 (the interpreter never goes through the compiler), and ``profiles/compile_report.py`` prints registers, spills, shared
-memory and the matrix instructions of each tile config.
+sm_80 and sm_90 (the interpreter never goes through the compiler), and
+``profiles/compile_report.py`` prints registers, spills, shared memory and the matrix
+instructions of each tile config.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from triton_kernels.attention import _merge_splits_kernel, _paged_attention_kern
 from triton_kernels.input_ids import _gather_input_ids_kernel
 from triton_kernels.kv_cache import _store_kv_kernel
 
-TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+TRITON_TYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
 
 
 def compile_for_target(fn, arg_types: dict[str, str], constexprs: dict[str, Any], arch: int, **options):
@@ -92,8 +99,12 @@ def compile_attention(
 
 def compile_merge(arch: int, dtype: torch.dtype, head_dim: int, num_splits: int):
     types = dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*" + TRITON_TYPES[dtype], num_tokens="i32")
-    constexprs = dict(NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits)
-    return compile_for_target(_merge_splits_kernel, types | _strides(_merge_splits_kernel), constexprs, arch, num_warps=4)
+    constexprs = dict(
+        NUM_Q_HEADS=32, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits
+    )
+    return compile_for_target(
+        _merge_splits_kernel, types | _strides(_merge_splits_kernel), constexprs, arch, num_warps=4
+    )
 
 
 def compile_store_kv(arch: int, dtype: torch.dtype, num_kv_heads: int, head_dim: int, page_size: int):
@@ -135,4 +146,6 @@ def resources(compiled) -> dict[str, Any]:
 
     mma = "HGMMA" if "HGMMA" in sass else "HMMA" if "HMMA" in sass else "none"
     # spilled registers show up as a stack frame (and local memory)
-    return dict(regs=field("REG"), spill_bytes=field("STACK") + field("LOCAL"), shared_bytes=compiled.metadata.shared, mma=mma)
+    return dict(
+        regs=field("REG"), spill_bytes=field("STACK") + field("LOCAL"), shared_bytes=compiled.metadata.shared, mma=mma
+    )

@@ -53,13 +53,28 @@ MAX_SPLITS = 16
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    num_seqs, num_tokens, scale_log2e,
-    stride_qt, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
-    stride_ot, stride_oh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    num_seqs,
+    num_tokens,
+    scale_log2e,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_bt,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -165,9 +180,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
     num_tokens,
-    stride_ot, stride_oh,
+    stride_ot,
+    stride_oh,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -180,12 +198,12 @@ def _merge_splits_kernel(
     d_mask = offs_d < HEAD_DIM
     row = (offs_s * num_tokens + token) * NUM_Q_HEADS + head
     m = tl.load(part_ml_ptr + row * 2)
-    l = tl.load(part_ml_ptr + row * 2 + 1)
+    l_s = tl.load(part_ml_ptr + row * 2 + 1)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-    l_sum = tl.sum(w * l, 0)
+    l_sum = tl.sum(w * l_s, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -272,13 +290,28 @@ def paged_attention(
 
     grid = (dims.num_tokens // block_q + dims.num_seqs + 1, dims.num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_ml,
-        block_tables, seq_lens, cu_seqlens_q,
-        dims.num_seqs, dims.num_tokens, scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_acc,
+        part_ml,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        dims.num_seqs,
+        dims.num_tokens,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
         NUM_Q_HEADS=dims.num_q_heads,
         HEAD_DIM=dims.head_dim,
@@ -296,9 +329,12 @@ def paged_attention(
     )
     if num_splits > 1:
         _merge_splits_kernel[(dims.num_tokens, dims.num_q_heads)](
-            part_acc, part_ml, out,
+            part_acc,
+            part_ml,
+            out,
             dims.num_tokens,
-            out.stride(0), out.stride(1),
+            out.stride(0),
+            out.stride(1),
             NUM_Q_HEADS=dims.num_q_heads,
             HEAD_DIM=dims.head_dim,
             BLOCK_D=block_d,

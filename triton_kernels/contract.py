@@ -76,7 +76,9 @@ def check_paged_attention(
     )
     _expect(hkv >= 1 and hq % hkv == 0, f"Hq={hq} must be a positive multiple of Hkv={hkv}")
     _expect(page_size >= 1, f"page_size is {page_size}; allowed: any integer >= 1")
-    _expect(block_tables.dim() == 2, f"block_tables must be [num_seqs, max_pages_per_seq]; got {tuple(block_tables.shape)}")
+    _expect(
+        block_tables.dim() == 2, f"block_tables must be [num_seqs, max_pages_per_seq]; got {tuple(block_tables.shape)}"
+    )
     _expect_dtype("block_tables", block_tables, (torch.int32,))
     num_seqs, max_pages = block_tables.shape
     _expect_dtype("seq_lens", seq_lens, (torch.int32,))
@@ -92,12 +94,16 @@ def check_paged_attention(
         k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1,
         f"caches' last dim must be contiguous; strides are {k_cache.stride()} and {v_cache.stride()}",
     )
-    _expect(block_tables.stride(-1) == 1, f"block_tables' last dim must be contiguous; strides are {block_tables.stride()}")
+    _expect(
+        block_tables.stride(-1) == 1, f"block_tables' last dim must be contiguous; strides are {block_tables.stride()}"
+    )
     _expect(
         seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous(),
         "seq_lens and cu_seqlens_q must be contiguous",
     )
-    tensors = dict(k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q)
+    tensors = dict(
+        k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
+    )
     if out is not None:
         _expect_shape("out", out, tuple(q.shape))
         _expect(out.dtype == q.dtype, f"out.dtype is {out.dtype}; expected q.dtype {q.dtype}")
@@ -133,7 +139,7 @@ def check_paged_attention_values(
         if n_pages:
             lo, hi = int(pages.min()), int(pages.max())
             _expect(
-                0 <= lo and hi < dims.num_pages,
+                lo >= 0 and hi < dims.num_pages,
                 f"block_tables[{b}] uses page ids {lo}..{hi}; allowed: 0..{dims.num_pages - 1}",
             )
 
@@ -169,7 +175,10 @@ def check_store_kv_values(k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> 
     capacity = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel():
         hi = int(slot_mapping.max())
-        _expect(hi < capacity, f"slot_mapping holds slot {hi}; allowed: < num_pages * page_size = {capacity} (or < 0 to skip)")
+        _expect(
+            hi < capacity,
+            f"slot_mapping holds slot {hi}; allowed: < num_pages * page_size = {capacity} (or < 0 to skip)",
+        )
     used = slot_mapping[slot_mapping >= 0]
     _expect(used.unique().numel() == used.numel(), "slot_mapping writes one slot twice")
 
@@ -199,6 +208,6 @@ def check_gather_input_ids_values(token_buffer: torch.Tensor, decode_indices: to
     if decode_indices.numel():
         lo, hi = int(decode_indices.min()), int(decode_indices.max())
         _expect(
-            0 <= lo and hi < token_buffer.numel(),
+            lo >= 0 and hi < token_buffer.numel(),
             f"decode_indices span {lo}..{hi}; allowed: 0..{token_buffer.numel() - 1}",
         )

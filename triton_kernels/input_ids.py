@@ -28,9 +28,16 @@ BLOCK = 1024
 
 @triton.jit
 def _gather_input_ids_kernel(
-    prefill_ptr, buffer_ptr, indices_ptr, out_ptr,
-    num_prefill, total,
-    stride_p, stride_b, stride_i, stride_o,
+    prefill_ptr,
+    buffer_ptr,
+    indices_ptr,
+    out_ptr,
+    num_prefill,
+    total,
+    stride_p,
+    stride_b,
+    stride_i,
+    stride_o,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -58,9 +65,16 @@ def gather_input_ids(
         return out
     block = 128 if interpreting() else BLOCK
     _gather_input_ids_kernel[(triton.cdiv(total, block),)](
-        prefill_ids, token_buffer, decode_indices, out,
-        prefill_ids.numel(), total,
-        prefill_ids.stride(0), token_buffer.stride(0), decode_indices.stride(0), out.stride(0),
+        prefill_ids,
+        token_buffer,
+        decode_indices,
+        out,
+        prefill_ids.numel(),
+        total,
+        prefill_ids.stride(0),
+        token_buffer.stride(0),
+        decode_indices.stride(0),
+        out.stride(0),
         BLOCK=block,
         num_warps=1 if interpreting() else 4,
     )

@@ -65,4 +65,12 @@ def gather_input_ids(prefill_ids: torch.Tensor, *args, backend: str = "auto", **
     return get_kernels(backend, prefill_ids.device).gather_input_ids(prefill_ids, *args, **kwargs)
 
 
-__all__ = ["BACKEND_NAMES", "KernelSet", "gather_input_ids", "get_kernels", "paged_attention", "resolve_backend", "store_kv"]
+__all__ = [
+    "BACKEND_NAMES",
+    "KernelSet",
+    "gather_input_ids",
+    "get_kernels",
+    "paged_attention",
+    "resolve_backend",
+    "store_kv",
+]

@@ -75,7 +75,7 @@ def make_paged_batch(
     """
     if len(q_lens) != len(seq_lens):
         raise ValueError(f"{len(q_lens)} q_lens but {len(seq_lens)} seq_lens")
-    for q_len, seq_len in zip(q_lens, seq_lens):
+    for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
         if not 0 <= q_len <= seq_len:
             raise ValueError(f"q_len {q_len} must be in [0, seq_len {seq_len}]")
     device = torch.device(device)
@@ -101,7 +101,7 @@ def make_paged_batch(
     max_pages = max(pages_per_seq, default=0) + extra_table_cols
     block_tables = torch.full((len(seq_lens), max_pages), OUT_OF_RANGE_PAGE, dtype=torch.int32)
     start = 0
-    for b, (n, seq_len) in enumerate(zip(pages_per_seq, seq_lens)):
+    for b, (n, seq_len) in enumerate(zip(pages_per_seq, seq_lens, strict=True)):
         pages = order[start : start + n]
         start += n
         block_tables[b, :n] = pages.to(torch.int32)

@@ -1,0 +1,275 @@
+"""Paged-attention microbenchmark: our Triton kernel vs the torch reference vs FlashInfer.
+
+One run measures the device's ceilings (device-to-device copy bandwidth, bf16 matmul peak) and
+then, for bf16, Hq=32, Hkv=8, D=128, page 16:
+
+    a  128 decodes at 2k context            (KV-bandwidth bound)
+    b  8 decodes at 32k context             (bandwidth bound; needs split-KV to fill the GPU)
+    c  one 2048-token chunk over an 8k prefix (matmul bound)
+    d  c + 63 decodes at 4k, one launch     (the mixed batch)
+    e  d as two launches (chunk, then the decodes)
+
+For each: median time (CUDA events via triton.testing.do_bench), KV bytes read / time as a
+fraction of copy bandwidth, attention FLOP/s as a fraction of matmul peak, the error against a
+float64 reference, and the time ratios ours/torch and ours/FlashInfer (when importable).
+Writes JSON + a markdown table (device, clocks, versions, command) to benchmarks/results/.
+
+    python benchmarks/bench_attention.py                  # on a GPU
+    python benchmarks/bench_attention.py --smoke --out /tmp/bench   # tiny shapes, CPU interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGETS = {"a": ("kv_bw_frac", 0.85), "b": ("kv_bw_frac", 0.80), "c": ("tflops_frac", 0.50)}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    label: str
+    q_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    split_at: int | None = None  # case e: first launch takes sequences [:split_at]
+
+
+def cases(scale: int) -> list[Case]:
+    """The issue's cases; ``scale`` divides every length (1 on a GPU, large for --smoke)."""
+
+    def s(n: int) -> int:
+        return max(1, n // scale)
+
+    chunk = ((s(2048),), (s(8192) + s(2048),))
+    mixed_q, mixed_kv = chunk[0] + (1,) * 63, chunk[1] + (s(4096),) * 63
+    return [
+        Case("a", "128 decodes @ 2k", (1,) * 128, (s(2048),) * 128),
+        Case("b", "8 decodes @ 32k", (1,) * 8, (s(32768),) * 8),
+        Case("c", "2048 chunk over 8k prefix", *chunk),
+        Case("d", "c + 63 decodes @ 4k, one launch", mixed_q, mixed_kv),
+        Case("e", "d as two launches", mixed_q, mixed_kv, split_at=1),
+    ]
+
+
+def attention_flops(q_lens: tuple[int, ...], seq_lens: tuple[int, ...], num_q_heads: int, head_dim: int) -> int:
+    """QK^T and PV over the causally visible keys: 4 * D FLOPs per (query head, visible key)."""
+    visible = 0
+    for q_len, seq_len in zip(q_lens, seq_lens, strict=True):
+        first = seq_len - q_len + 1  # keys seen by the first query of the chunk
+        visible += q_len * first + q_len * (q_len - 1) // 2
+    return 4 * head_dim * num_q_heads * visible
+
+
+def kv_bytes(seq_lens: tuple[int, ...], num_kv_heads: int, head_dim: int, elem: int) -> int:
+    return 2 * sum(seq_lens) * num_kv_heads * head_dim * elem
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of fn: CUDA events on a GPU, perf_counter on CPU (smoke runs)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+    def cpu(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[1]
+
+    return cpu
+
+
+def measure_ceilings(device: torch.device, bench: Callable, smoke: bool) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written) and bf16 matmul peak, on random data."""
+    n_bytes = (1 << 20) if smoke else (2 << 30)
+    src = torch.randint(0, 255, (n_bytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = bench(lambda: dst.copy_(src))
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    mm_ms = bench(lambda: a @ b)
+    return {"copy_gbps": 2 * n_bytes / copy_ms / 1e6, "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
+
+
+def device_info(device: torch.device) -> dict[str, object]:
+    info: dict[str, object] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    import triton
+
+    info["triton"] = triton.__version__
+    from minengine.ops import flashinfer_ref
+
+    info["flashinfer"] = flashinfer_ref.version()
+    if device.type == "cuda":
+        info["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            for key, clock in (("sm", pynvml.NVML_CLOCK_SM), ("mem", pynvml.NVML_CLOCK_MEM)):
+                info[f"clock_{key}_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, clock)
+                info[f"clock_{key}_max_mhz"] = pynvml.nvmlDeviceGetMaxClockInfo(h, clock)
+        except Exception as exc:  # nvidia-ml-py missing or no NVML: record why
+            info["nvml"] = f"unavailable: {exc}"
+    return info
+
+
+def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict) -> dict:
+    import triton_kernels
+    from minengine.ops import flashinfer_ref, reference
+    from minengine.ops.testing import make_paged_batch, relative_error
+
+    shape = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    make = lambda q, kv: make_paged_batch(  # noqa: E731
+        list(q), list(kv), **shape, page_size=args.page_size, dtype=torch.bfloat16, device=device, poison=False
+    )
+    row: dict[str, object] = {"case": case.name, "label": case.label}
+    if case.split_at is None:
+        batch = make(case.q_lens, case.seq_lens)
+        out = torch.empty_like(batch.q)
+        ours = lambda: triton_kernels.paged_attention(*batch.args(), out=out)  # noqa: E731
+        row["ms"] = bench(ours)
+        ref = reference.paged_attention(*batch.to_float64())
+        row["rel_err_vs_fp64"] = relative_error(ours(), ref)
+        if not args.no_torch:
+            row["torch_ms"] = bench(lambda: reference.paged_attention(*batch.args(), out=out))
+        if flashinfer_ref.available():
+            fi = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6])
+            row["flashinfer_ms"] = bench(fi.run)
+            row["rel_err_vs_flashinfer"] = relative_error(ours(), fi.run())
+    else:
+        first = make(case.q_lens[: case.split_at], case.seq_lens[: case.split_at])
+        second = make(case.q_lens[case.split_at :], case.seq_lens[case.split_at :])
+        outs = torch.empty_like(first.q), torch.empty_like(second.q)
+
+        def two_launches() -> None:
+            triton_kernels.paged_attention(*first.args(), out=outs[0])
+            triton_kernels.paged_attention(*second.args(), out=outs[1])
+
+        row["ms"] = bench(two_launches)
+    seconds = row["ms"] / 1e3
+    nbytes = kv_bytes(case.seq_lens, args.num_kv_heads, args.head_dim, 2)
+    flops = attention_flops(case.q_lens, case.seq_lens, args.num_q_heads, args.head_dim)
+    row["kv_gbps"] = nbytes / seconds / 1e9
+    row["kv_bw_frac"] = row["kv_gbps"] / ceilings["copy_gbps"]
+    row["tflops"] = flops / seconds / 1e12
+    row["tflops_frac"] = row["tflops"] / ceilings["matmul_tflops"]
+    for other in ("torch", "flashinfer"):
+        if f"{other}_ms" in row:
+            row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["ms"]
+    return row
+
+
+def markdown(report: dict) -> str:
+    info, ceil = report["info"], report["ceilings"]
+    lines = [
+        f"# bench_attention: {info['device']}",
+        "",
+        *(["**Smoke run: tiny shapes, timings meaningless.**", ""] if report["config"]["smoke"] else []),
+        f"- command: `{report['command']}`",
+        f"- date (UTC): {report['date']}",
+        "- versions: " + ", ".join(f"{k} {info[k]}" for k in ("torch", "triton", "flashinfer", "python") if k in info),
+        "- clocks: "
+        + ", ".join(f"{k} {v}" for k, v in info.items() if k.startswith("clock_") or k in ("driver", "nvml")),
+        f"- ceilings: copy {ceil['copy_gbps']:.0f} GB/s (read + write), "
+        f"bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s",
+        "",
+        "| case | shape | ours ms | KV GB/s | of copy BW | TFLOP/s | of matmul peak "
+        "| torch/ours | FlashInfer/ours | err vs fp64 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(row: dict, key: str, spec: str) -> str:
+        return format(row[key], spec) if key in row else "-"
+
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['case']} | {r['label']} | {r['ms']:.4f} | {r['kv_gbps']:.0f} | {r['kv_bw_frac']:.0%} | "
+            f"{r['tflops']:.1f} | {r['tflops_frac']:.0%} | {fmt(r, 'speedup_vs_torch', '.1f')} | "
+            f"{fmt(r, 'speedup_vs_flashinfer', '.2f')} | {fmt(r, 'rel_err_vs_fp64', '.1e')} |"
+        )
+    lines += ["", "Targets:"] + [f"- {t}" for t in report["targets"]]
+    return "\n".join(lines) + "\n"
+
+
+def check_targets(rows: list[dict]) -> list[str]:
+    by_case = {r["case"]: r for r in rows}
+    verdicts = []
+    for name, (key, goal) in TARGETS.items():
+        got = by_case[name][key]
+        verdicts.append(f"({name}) {key} {got:.0%} vs target {goal:.0%}: {'met' if got >= goal else 'MISSED'}")
+    d, e = by_case["d"]["ms"], by_case["e"]["ms"]
+    verdicts.append(f"(d) one launch {d:.4f} ms vs (e) two launches {e:.4f} ms: {'met' if d < e else 'MISSED'}")
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown results")
+    parser.add_argument("--cases", default="abcde", help="which cases to run, e.g. 'ad'")
+    parser.add_argument("--no-torch", action="store_true", help="skip timing the (slow) torch reference")
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    args = parser.parse_args(argv)
+
+    if args.smoke and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --smoke for a tiny CPU run)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 2, 32
+    bench = timer(device)
+    torch.manual_seed(0)
+    ceilings = measure_ceilings(device, bench, args.smoke)
+    selected = [c for c in cases(256 if args.smoke else 1) if c.name in args.cases]
+    if args.smoke:
+        selected = [Case(c.name, c.label, c.q_lens[:3], c.seq_lens[:3], c.split_at) for c in selected]
+    rows = []
+    for case in selected:
+        rows.append(run_case(case, args, device, bench, ceilings))
+        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
+    report = {
+        "command": " ".join(["python", *sys.argv]) if argv is None else f"bench_attention.main({argv!r})",
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "info": device_info(device),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "ceilings": ceilings,
+        "rows": rows,
+        "targets": check_targets(rows) if set("abcde") <= set(args.cases) else [],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "attention_smoke" if args.smoke else "attention_" + str(report["info"]["device"]).replace(" ", "_")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The kernel benchmark's code path runs end to end (tiny shapes; CPU interpreter without a GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_smoke(tmp_path):
+    bench = load_bench()
+    report = bench.main(["--smoke", "--out", str(tmp_path)])
+    assert [r["case"] for r in report["rows"]] == list("abcde")
+    for row in report["rows"]:
+        assert row["ms"] > 0 and row["kv_gbps"] > 0
+        if "rel_err_vs_fp64" in row:
+            assert row["rel_err_vs_fp64"] < 1.6e-2, row
+    assert len(report["targets"]) == 4
+    saved = json.loads((tmp_path / "attention_smoke.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(report["rows"]))
+    assert "| a |" in (tmp_path / "attention_smoke.md").read_text()
+
+
+def test_flop_and_byte_counts():
+    bench = load_bench()
+    # one fresh 3-token prompt: queries see 1, 2, 3 keys
+    assert bench.attention_flops((3,), (3,), num_q_heads=1, head_dim=1) == 4 * 6
+    # a decode over 10 keys and a 2-token chunk over a 5-token prefix (sees 6 and 7 keys)
+    assert bench.attention_flops((1, 2), (10, 7), num_q_heads=2, head_dim=8) == 4 * 8 * 2 * (10 + 13)
+    assert bench.kv_bytes((10, 7), num_kv_heads=2, head_dim=8, elem=2) == 2 * 17 * 2 * 8 * 2
