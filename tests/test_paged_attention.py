@@ -235,3 +235,21 @@ def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     batch = batch_for([1], [3], torch.float16, "cpu")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         triton_kernels.paged_attention(*batch.args())
+
+
+@pytest.mark.parametrize("max_seqlen_q", [1, 2048])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_tile_configs(max_seqlen_q, dtype, device, monkeypatch):
+    """The tile shapes picked for a GPU (decode and prefill rows) compute the same function.
+
+    On CPU the interpreter normally runs small tiles; here it runs the GPU ones, so the block
+    mapping with BLOCK_M = 128 / BLOCK_Q = 32 is executed, not only compiled.
+    """
+    from triton_kernels import attention
+
+    real = attention.pick_config
+    gpu = real(max_seqlen_q, 4, 64, dtype, interpret=False)
+    monkeypatch.setattr(attention, "pick_config", lambda *a, **k: gpu)
+    batch = batch_for([1, 40, 1, 70], [50, 40, 3, 90], dtype, device, hq=8, hkv=2, page=16)
+    run_and_check(batch, dtype)
+    run_and_check(batch, dtype, num_splits=2)
