@@ -253,3 +253,22 @@ def test_gpu_tile_configs(max_seqlen_q, dtype, device, monkeypatch):
     batch = batch_for([1, 40, 1, 70], [50, 40, 3, 90], dtype, device, hq=8, hkv=2, page=16)
     run_and_check(batch, dtype)
     run_and_check(batch, dtype, num_splits=2)
+
+
+@pytest.mark.parametrize(("num_splits", "launches"), [(1, 1), (4, 2)])
+def test_mixed_batch_is_one_launch(num_splits, launches, device, monkeypatch):
+    """Prefill chunks and decodes share one kernel launch; split-KV adds exactly one merge launch."""
+    from triton_kernels import attention
+
+    calls = []
+    for name in ("_paged_attention_kernel", "_merge_splits_kernel"):
+        kernel = getattr(attention, name)
+
+        class Counted:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                calls.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(attention, name, Counted())
+    run_and_check(batch_for(MIXED_Q, MIXED_KV, torch.float16, device), torch.float16, num_splits=num_splits)
+    assert len(calls) == launches, calls
