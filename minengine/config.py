@@ -1,0 +1,76 @@
+"""Engine configuration: one frozen dataclass whose fields are the CLI flags.
+
+``chunked_prefill_size`` is ``--chunked-prefill-size``, and so on. Defaults live here and only
+here. Every field is validated on construction; an invalid value raises ``ValueError`` naming
+the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    tokenizer: str | None = None  # defaults to the model directory
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    page_size: int = 16
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192
+    long_prefill_token_threshold: int | None = None
+    max_total_tokens: int | None = None  # KV capacity in tokens; None: from memory (CUDA) or 65536 (CPU)
+    mem_fraction_static: float = 0.85
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    disable_radix_cache: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("device", self.device, DEVICES)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _int_at_least("page_size", self.page_size, 1)
+        _int_at_least("max_running_requests", self.max_running_requests, 1)
+        _int_at_least("chunked_prefill_size", self.chunked_prefill_size, 1)
+        _int_at_least("long_prefill_token_threshold", self.long_prefill_token_threshold, 1, optional=True)
+        _int_at_least("max_total_tokens", self.max_total_tokens, 1, optional=True)
+        _int_at_least("context_length", self.context_length, 1, optional=True)
+        _int_at_least("seed", self.seed, 0)
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model is {self.model!r}; expected 'tiny' or a local model directory")
+        if isinstance(self.mem_fraction_static, bool) or not (
+            isinstance(self.mem_fraction_static, (int, float)) and 0 < self.mem_fraction_static < 1
+        ):
+            raise ValueError(f"mem_fraction_static is {self.mem_fraction_static!r}; allowed: a number in (0, 1)")
+        if not isinstance(self.disable_radix_cache, bool):
+            raise ValueError(f"disable_radix_cache is {self.disable_radix_cache!r}; allowed: True or False")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Like the constructor, but an unknown field name is a ValueError listing the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} is {value!r}; allowed: {', '.join(allowed)}")
+
+
+def _int_at_least(name: str, value: object, low: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        unset = " or None" if optional else ""
+        raise ValueError(f"{name} is {value!r}; allowed: an integer >= {low}{unset}")

@@ -1,0 +1,166 @@
+"""The engine: model, KV memory, scheduler and runner wired together, one step at a time."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from minengine import ops
+from minengine.config import EngineConfig
+from minengine.memory import KVPool, PageTable
+from minengine.models import load_model, load_model_config, load_tokenizer
+from minengine.request import Request
+from minengine.runner import ModelRunner
+from minengine.sampler import Sampler
+from minengine.sampling_params import SamplingParams
+from minengine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but no CUDA device is available; allowed here: auto, cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config = mc = load_model_config(config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.context_length = config.context_length or mc.max_position_embeddings
+        if mc.sliding_window and mc.sliding_window < self.context_length:
+            logger.warning("sliding window %d: context length capped to it", mc.sliding_window)
+            self.context_length = mc.sliding_window
+        self.model = load_model(config.model, mc, self.context_length, self.device, self.dtype)
+        kernels = ops.get_kernels(config.attention_backend, self.device)
+
+        ps = config.page_size
+        self.num_pages = self._kv_pages(ps)
+        pool = KVPool(mc.num_layers, self.num_pages, ps, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        page_table = PageTable(config.max_running_requests, -(-self.context_length // ps), self.device)
+        self.scheduler = Scheduler(
+            self.num_pages,
+            ps,
+            page_table,
+            config.max_running_requests,
+            config.chunked_prefill_size,
+            config.long_prefill_token_threshold,
+            enable_radix_cache=not config.disable_radix_cache,
+        )
+        self.sampler = Sampler(self.device, config.seed)
+        self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler)
+        self.eos_token_ids = set(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self._rids = itertools.count()
+        logger.info(
+            "engine: %s on %s (%s), %d KV pages x %d tokens, context %d",
+            config.model,
+            self.device,
+            self.dtype,
+            self.num_pages,
+            ps,
+            self.context_length,
+        )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_pages * self.config.page_size
+
+    def _kv_pages(self, page_size: int) -> int:
+        mc, cfg = self.model_config, self.config
+        if cfg.max_total_tokens is not None:
+            return -(-cfg.max_total_tokens // page_size)
+        if self.device.type != "cuda":
+            return -(-CPU_DEFAULT_MAX_TOTAL_TOKENS // page_size)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * cfg.mem_fraction_static) - (total - free)
+        per_page = KVPool.bytes_per_page(mc.num_layers, page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if budget < per_page:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at mem_fraction_static={cfg.mem_fraction_static} "
+                f"({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB); raise it or set max_total_tokens"
+            )
+        return budget // per_page
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request is malformed or can never fit."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.context_length:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the context length {self.context_length}"
+            )
+        if total > self.kv_capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the KV cache capacity {self.kv_capacity_tokens} tokens"
+            )
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        self.check_request(prompt_ids, params)
+        req = Request(
+            rid=next(self._rids),
+            prompt_ids=list(prompt_ids),
+            params=params,
+            max_len=len(prompt_ids) + params.max_tokens,
+            generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
+        )
+        self.scheduler.add(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """Schedule, run one forward, sample, update; returns the requests that finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = self.runner.run(batch)
+        return self.scheduler.update(batch, sampled, self._stop_reason)
+
+    def _stop_reason(self, req: Request) -> str | None:
+        token, p = req.token_ids[-1], req.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or ()):
+            req.text = self.tokenizer.decode(req.output_ids)
+            return "stop"
+        if p.stop_strings:
+            text = self.tokenizer.decode(req.output_ids)
+            cut = min((i for s in p.stop_strings if (i := text.find(s)) >= 0), default=-1)
+            if cut >= 0:
+                req.text = text[:cut]
+                return "stop"
+        if len(req.token_ids) >= req.max_len:
+            req.text = self.tokenizer.decode(req.output_ids)
+            return "length"
+        return None
+
+    def shutdown(self) -> None:
+        for name in ("runner", "model", "scheduler"):
+            self.__dict__.pop(name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,144 @@
+"""Radix prefix cache over KV pages (SGLang-style, page-aligned).
+
+Each node holds a run of whole pages: ``key`` (its tokens, a multiple of ``page_size`` long) and
+``pages`` (their KV page ids). Children are keyed by the tokens of their first page. A request
+locks the node its prefix ends at (``lock``), which protects the whole path to the root; pages of
+unlocked leaves are evicted least-recently-used first when the allocator runs short.
+
+Page ownership: pages in the tree belong to the cache. ``insert`` reports how many leading
+tokens were already cached, so the caller can free its duplicate pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+_clock = itertools.count()
+
+
+class Node:
+    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access")
+
+    def __init__(self, parent: Node | None, key: list[int], pages: list[int]):
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.parent = parent
+        self.key = key
+        self.pages = pages
+        self.lock_ref = 0
+        self.last_access = next(_clock)
+
+
+class RadixCache:
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]):
+        self.page_size = page_size
+        self._free_pages = free_pages
+        self.root = Node(None, [], [])
+        self.root.lock_ref = 1  # never evicted
+        self.total_pages = 0
+        self.protected_pages = 0  # pages in locked nodes
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.total_pages - self.protected_pages
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
+        """Pages of the longest cached page-aligned prefix of ``tokens``, and the node it ends at."""
+        ps = self.page_size
+        node, pages, i = self.root, [], 0
+        while i + ps <= len(tokens):
+            child = node.children.get(tuple(tokens[i : i + ps]))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, i)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = next(_clock)
+            pages += child.pages
+            i += n * ps
+            node = child
+        return pages, node
+
+    def insert(self, tokens: list[int], pages: list[int]) -> int:
+        """Cache the full pages of ``tokens`` (KV in ``pages``); returns how many tokens were cached
+        already: the caller's pages for them are duplicates, and stay the caller's to free."""
+        ps = self.page_size
+        n_tokens = min(len(tokens) // ps, len(pages)) * ps
+        node, i = self.root, 0
+        while i < n_tokens:
+            child = node.children.get(tuple(tokens[i : i + ps]))
+            if child is None:
+                leaf = Node(node, list(tokens[i:n_tokens]), list(pages[i // ps : n_tokens // ps]))
+                node.children[tuple(tokens[i : i + ps])] = leaf
+                self.total_pages += len(leaf.pages)
+                return i
+            n = self._common_pages(child.key, tokens[:n_tokens], i)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = next(_clock)
+            i += n * ps
+            node = child
+        return i
+
+    def lock(self, node: Node) -> None:
+        while node is not None:
+            if node.lock_ref == 0:
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_pages -= len(node.pages)
+            node = node.parent
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages from unlocked leaves, LRU first (fewer if not evictable)."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[tuple(leaf.key[: self.page_size])]
+            self._free_pages(leaf.pages)
+            self.total_pages -= len(leaf.pages)
+            freed += len(leaf.pages)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def reset(self) -> None:
+        """Free every page (nothing may be locked)."""
+        if self.protected_pages:
+            raise RuntimeError(f"cannot reset: {self.protected_pages} cached pages are locked")
+        self.evict(self.total_pages)
+
+    def _common_pages(self, key: list[int], tokens: list[int], start: int) -> int:
+        ps, n = self.page_size, 0
+        while (n + 1) * ps <= len(key) and start + (n + 1) * ps <= len(tokens):
+            if key[n * ps : (n + 1) * ps] != tokens[start + n * ps : start + (n + 1) * ps]:
+                break
+            n += 1
+        return n
+
+    def _split(self, node: Node, n_pages: int) -> Node:
+        """Cut ``node`` after ``n_pages`` pages; returns the new upper part."""
+        ps = self.page_size
+        upper = Node(node.parent, node.key[: n_pages * ps], node.pages[:n_pages])
+        upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
+        node.parent.children[tuple(upper.key[:ps])] = upper
+        node.key, node.pages, node.parent = node.key[n_pages * ps :], node.pages[n_pages:], upper
+        upper.children[tuple(node.key[:ps])] = node
+        return upper
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root:
+                yield node

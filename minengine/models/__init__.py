@@ -1,0 +1,119 @@
+"""Models: Llama / Mistral / Qwen2 / Qwen3 decoders loaded from local Hugging Face directories,
+and the built-in ``tiny`` model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from minengine.models.config import ARCHITECTURES, ModelConfig
+from minengine.models.decoder import CausalLM, ForwardBatch
+from minengine.models.tiny import TINY_CONFIG, init_tiny_weights, tiny_tokenizer
+from minengine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+TINY = "tiny"
+
+__all__ = [
+    "ARCHITECTURES",
+    "CausalLM",
+    "ForwardBatch",
+    "ModelConfig",
+    "load_model",
+    "load_model_config",
+    "load_tokenizer",
+]
+
+
+def _model_dir(model: str) -> Path:
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model directory {model!r} does not exist (use 'tiny' or a local Hugging Face directory)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model!r}")
+    return path
+
+
+def load_model_config(model: str) -> ModelConfig:
+    if model == TINY:
+        return TINY_CONFIG
+    path = _model_dir(model)
+    cfg = json.loads((path / "config.json").read_text())
+    model_cfg = ModelConfig.from_hf(cfg, where=str(path / "config.json"))
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():  # its eos ids (often a list) take part in stopping, as in transformers
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        ids = tuple(dict.fromkeys([*model_cfg.eos_token_ids, *extra]))
+        model_cfg = dataclasses.replace(model_cfg, eos_token_ids=ids)
+    return model_cfg
+
+
+def load_tokenizer(tokenizer: str) -> Tokenizer:
+    return tiny_tokenizer() if tokenizer == TINY else Tokenizer.from_dir(tokenizer)
+
+
+def load_model(model: str, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = CausalLM(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(prev)
+    if model == TINY:
+        init_tiny_weights(net)
+    else:
+        _load_safetensors(net, _model_dir(model))
+    return net.eval()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"missing weight files in {path}: {', '.join(missing)} (listed in {index.name})")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return files
+
+
+def _load_safetensors(net: CausalLM, path: Path) -> None:
+    from safetensors import safe_open
+
+    params = dict(net.named_parameters())
+    expected = set(params)
+    loaded: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq") or (
+                    name == "lm_head.weight" and net.config.tie_word_embeddings
+                ):
+                    continue
+                if name not in params:
+                    logger.warning("ignoring unexpected weight %s in %s", name, file.name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ValueError(
+                        f"weight {name} in {file.name} has shape {tuple(tensor.shape)}; "
+                        f"the config implies {tuple(params[name].shape)}"
+                    )
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+    missing = sorted(expected - loaded - ({"lm_head.weight"} if net.config.tie_word_embeddings else set()))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"missing weights in {path}: {shown}")

@@ -1,0 +1,108 @@
+"""One Llama-style decoder for every supported architecture.
+
+Llama and Mistral are the plain form; Qwen2 adds a bias to the q/k/v projections; Qwen3 adds a
+per-head RMSNorm on q and k (and states head_dim explicitly). Parameter names follow the Hugging
+Face checkpoints, so loading is a name-for-name copy.
+
+Attention reads and writes the paged KV cache through ``minengine.ops`` kernels; the batch is the
+engine's mixed batch (prefill chunks first, then decodes) described by ``ForwardBatch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minengine.models.config import ModelConfig
+from minengine.models.layers import MLP, RMSNorm, RotaryEmbedding
+from minengine.ops import KernelSet
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors describing one step's mixed batch, shared by every layer."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, KV slot of each new token
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32, KV length after this step
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    max_seqlen_q: int
+    logits_indices: torch.Tensor  # [S] int64, rows whose logits are sampled
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = [rotary]  # shared; a list keeps it out of this module's parameters
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor], kernels: KernelSet
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](batch.positions, q, k)
+        k_cache, v_cache = kv
+        kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = kernels.paged_attention(
+            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, batch.max_seqlen_q
+        )
+        return self.o_proj(o.view(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, batch, kv, kernels):
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv, kernels)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``model.*`` and ``lm_head`` as in Hugging Face checkpoints; tied embeddings share a tensor."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = Model(cfg, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kernels: KernelSet):
+        """Logits (float32) of the rows in ``batch.logits_indices``."""
+        x = self.model.embed_tokens(batch.input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, batch, kv, kernels)
+        x = self.model.norm(x[batch.logits_indices])
+        return self.lm_head(x).float()

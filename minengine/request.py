@@ -1,0 +1,52 @@
+"""A request's state as the scheduler and runner see it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from minengine.memory.radix_cache import Node
+from minengine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int  # prompt + max_tokens, capped by the context length
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    status: Status = Status.WAITING
+    num_computed: int = 0  # leading tokens whose KV is in the cache
+    pages: list[int] = field(default_factory=list)
+    cached_pages: int = 0  # leading pages owned by the radix cache (locked through `node`)
+    node: Node | None = None
+    slot: int | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens without KV yet: the rest of the prompt, or the last sampled token."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)

@@ -1,0 +1,52 @@
+"""Per-request sampling and stopping parameters (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens is {self.max_tokens!r}; allowed: an integer >= 1")
+        if not _number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature is {self.temperature!r}; allowed: a number >= 0")
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p is {self.top_p!r}; allowed: a number in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k is {self.top_k!r}; allowed: -1 or 0 (disabled), or an integer >= 1")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p is {self.min_p!r}; allowed: a number in [0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed is {self.seed!r}; allowed: an integer or None")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop is {self.stop!r}; allowed: a non-empty string or a list of them")
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"stop_token_ids is {self.stop_token_ids!r}; allowed: a list of integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos is {self.ignore_eos!r}; allowed: True or False")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN

@@ -1,0 +1,186 @@
+"""Scheduler state: waiting and running requests, KV pages, the prefix cache.
+
+``schedule()`` asks the pure policy (``policy.build_schedule``) for the next step, then applies
+it: admits requests (locking their cached prefix), allocates the pages their new tokens need
+(evicting from the prefix cache on demand) and returns the batch, prefill chunks first, then
+decodes. ``update()`` advances each request after the forward, caches completed chunks, and
+frees or caches the pages of finished requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+
+from minengine.memory import PageAllocator, PageTable, RadixCache
+from minengine.request import Request, Status
+from minengine.scheduler.policy import Budget, RunningInfo, WaitingInfo, build_schedule
+
+
+class Scheduler:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        page_table: PageTable,
+        max_running: int,
+        chunked_prefill_size: int,
+        long_prefill_threshold: int | None,
+        enable_radix_cache: bool,
+    ):
+        self.page_size = page_size
+        self.page_table = page_table
+        self.max_running = max_running
+        self.chunked_prefill_size = chunked_prefill_size
+        self.long_prefill_threshold = long_prefill_threshold
+        self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(page_size, self.allocator.free) if enable_radix_cache else None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The next batch as (request, new tokens), prefill chunks first, then decodes."""
+        candidates = list(itertools.islice(self.waiting, max(0, self.max_running - len(self.running))))
+        matches = {req.rid: self._match(req) for req in candidates}
+        running = [
+            RunningInfo(r.rid, r.num_pending, r.prefilling, len(r.pages), self.pages_for(r.max_len))
+            for r in self.running
+        ]
+        waiting = [
+            WaitingInfo(
+                w.rid,
+                len(w.prompt_ids) - len(matches[w.rid][0]) * self.page_size,
+                len(matches[w.rid][0]),
+                self._pages_to_pin(matches[w.rid][1]),
+                self.pages_for(w.max_len),
+            )
+            for w in candidates
+        ]
+        evictable = self.cache.evictable_pages if self.cache else 0
+        budget = Budget(
+            self.chunked_prefill_size,
+            self.max_running,
+            self.allocator.num_free + evictable,
+            self.long_prefill_threshold,
+        )
+        plan = build_schedule(running, waiting, budget)
+
+        by_rid = {r.rid: r for r in self.running}
+        for rid, _ in plan.admitted:
+            req = self.waiting.popleft()
+            assert req.rid == rid, "the policy admits in arrival order"
+            self._admit(req, *matches[rid])
+            by_rid[rid] = req
+        batch = [(by_rid[rid], n) for rid, n in (*plan.running, *plan.admitted)]
+        for req, n in batch:
+            self._grow(req, req.num_computed + n)
+        return sorted(batch, key=lambda entry: not entry[0].prefilling)  # stable: prefills first
+
+    def update(
+        self, batch: list[tuple[Request, int]], sampled: dict[Request, int], stop: Callable[[Request], str | None]
+    ) -> list[Request]:
+        """Advance each request by its scheduled tokens and append what it sampled; ``stop(req)``
+        says whether a request that just sampled is done. Returns the requests that finished."""
+        finished = []
+        for req, n in batch:
+            req.num_computed += n
+            token = sampled.get(req)
+            if token is None:  # a chunk of the prompt completed; the prompt goes on
+                if self.cache is not None:
+                    self._cache_prefix(req)
+                continue
+            req.token_ids.append(token)
+            if (reason := stop(req)) is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _match(self, req: Request):
+        if self.cache is None:
+            return [], None
+        # the last prompt token is always recomputed: its logits give the first output token
+        return self.cache.match_prefix(req.prompt_ids[: len(req.prompt_ids) - 1])
+
+    @staticmethod
+    def _pages_to_pin(node) -> int:
+        pages = 0
+        while node is not None and node.lock_ref == 0:
+            pages += len(node.pages)
+            node = node.parent
+        return pages
+
+    def _admit(self, req: Request, pages: list[int], node) -> None:
+        if node is not None:
+            self.cache.lock(node)
+        req.node, req.pages, req.cached_pages = node, list(pages), len(pages)
+        req.num_computed = len(pages) * self.page_size
+        req.slot = self.page_table.acquire()
+        self.page_table.write(req.slot, 0, req.pages)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def _grow(self, req: Request, num_tokens: int) -> None:
+        need = self.pages_for(num_tokens) - len(req.pages)
+        if need <= 0:
+            return
+        if self.allocator.num_free < need and self.cache is not None:
+            self.cache.evict(need - self.allocator.num_free)
+        pages = self.allocator.alloc(need)
+        if pages is None:  # the policy's full-sequence check makes this unreachable
+            raise RuntimeError(f"out of KV pages for request {req.rid}: {self.accounting()}")
+        self.page_table.write(req.slot, len(req.pages), pages)
+        req.pages += pages
+
+    def _cache_prefix(self, req: Request) -> None:
+        """Hand the request's full computed pages to the prefix cache and lock them for it."""
+        full = req.num_computed // self.page_size
+        if full <= req.cached_pages:
+            return
+        tokens = req.token_ids[: full * self.page_size]
+        already = self.cache.insert(tokens, req.pages[:full]) // self.page_size
+        self.allocator.free(req.pages[req.cached_pages : already])  # duplicates of cached pages
+        pages, node = self.cache.match_prefix(tokens)
+        self.cache.lock(node)
+        self.cache.unlock(req.node)
+        req.pages[:full], req.cached_pages, req.node = pages, full, node
+        self.page_table.write(req.slot, 0, pages)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Release a running request: its full pages go to the prefix cache (or are freed)."""
+        if self.cache is not None:
+            full = req.num_computed // self.page_size
+            already = self.cache.insert(req.token_ids[: req.num_computed], req.pages[:full]) // self.page_size
+            self.allocator.free(req.pages[req.cached_pages : already] + req.pages[full:])
+            self.cache.unlock(req.node)
+        else:
+            self.allocator.free(req.pages)
+        self.page_table.release(req.slot)
+        req.pages, req.cached_pages, req.node, req.slot = [], 0, None, None
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.running.remove(req)
+
+    def accounting(self) -> dict[str, int]:
+        """Where every KV page is: free, held by running requests, held only by the prefix cache."""
+        owned = sum(len(r.pages) - r.cached_pages for r in self.running)
+        cached = self.cache.total_pages if self.cache else 0
+        shared = len({p for r in self.running for p in r.pages[: r.cached_pages]})
+        return {
+            "total": self.allocator.num_pages,
+            "free": self.allocator.num_free,
+            "held_by_requests": owned + shared,
+            "held_only_by_cache": cached - shared,
+        }

@@ -1,0 +1,91 @@
+"""Tokenizer from a model directory's ``tokenizer.json``, behaving as ``AutoTokenizer`` does.
+
+Encoding adds special tokens through the file's post-processor (as transformers does), with the
+``add_bos_token`` / ``add_eos_token`` switches of ``tokenizer_config.json`` applied when present.
+Decoding skips special tokens. The chat template comes from ``tokenizer_config.json`` (or
+``chat_template.jinja``) and is rendered with jinja2 the way transformers renders it; without
+one, a ChatML template is used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _token_str(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, special: dict[str, str | None], chat_template: str | None):
+        self.backend = backend
+        self.bos_token, self.eos_token = special.get("bos_token"), special.get("eos_token")
+        self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
+        self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token else None
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        backend = HFTokenizer.from_file(str(file))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token")}
+        if "add_bos_token" in cfg or "add_eos_token" in cfg:
+            _set_bos_eos(backend, special, cfg.get("add_bos_token", False), cfg.get("add_eos_token", False))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(backend, special, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _set_bos_eos(backend: HFTokenizer, special: dict[str, str | None], add_bos: bool, add_eos: bool) -> None:
+    """Rebuild the post-processor as transformers' Llama-style tokenizers do for these switches."""
+    bos, eos = special.get("bos_token"), special.get("eos_token")
+    use_bos, use_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = ([f"{bos}:0"] if use_bos else []) + ["$A:0"] + ([f"{eos}:0"] if use_eos else [])
+    pair = single + ([f"{bos}:1"] if use_bos else []) + ["$B:1"] + ([f"{eos}:1"] if use_eos else [])
+    tokens = [(t, backend.token_to_id(t)) for t, on in ((bos, use_bos), (eos, use_eos)) if on]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)

@@ -1,0 +1,91 @@
+"""Tiny random-weight Hugging Face checkpoints for tests, built with transformers (no downloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size pages.",
+    "Chunked prefill splits a long prompt into pieces that share a step with decodes.",
+    "A radix tree caches prompt prefixes so that they are not recomputed.",
+    "Überraschung! Ça marche, naïve café — 東京 and 🚀 too.",
+] * 20
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def build_tokenizer(path: Path, vocab_size: int = 400) -> int:
+    """A byte-level BPE ``tokenizer.json`` trained on a small corpus; returns its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+def build_checkpoint(path: Path, arch: str, seed: int = 0, shard: bool = False) -> Path:
+    """A 2-layer float32 checkpoint of ``arch`` (llama | qwen2 | qwen3) with a trained tokenizer."""
+    import transformers
+
+    vocab = build_tokenizer(path)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        initializer_range=0.1,
+    )
+    if arch == "llama":  # GQA, llama3 RoPE scaling, untied
+        scaling = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+        cfg = transformers.LlamaConfig(**common, rope_theta=50000.0, rope_scaling=scaling, tie_word_embeddings=False)
+    elif arch == "qwen2":  # q/k/v bias
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    elif arch == "qwen3":  # per-head q/k norm, explicit head_dim, tied embeddings
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # biases and norms start at 0 / 1: make them random so they matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, max_shard_size="200KB" if shard else "5GB")
+    return path
