@@ -13,9 +13,17 @@ setup(
     description="Hand-written paged-attention kernels with a minimal LLM serving engine on top",
     python_requires=">=3.10",
     packages=find_packages(include=["minengine", "minengine.*", "triton_kernels", "triton_kernels.*"]),
-    install_requires=["torch>=2.11", "triton>=3.6", "numpy"],
+    install_requires=[
+        "torch>=2.11",
+        "triton>=3.6",
+        "numpy",
+        "safetensors",
+        "tokenizers>=0.19",
+        "jinja2>=3.1",  # chat templates, rendered as transformers renders them
+        "tqdm",
+    ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        "test": ["pytest>=8", "ruff>=0.6", "transformers>=4.51"],
         "bench": ["nvidia-ml-py"],
     },
 )

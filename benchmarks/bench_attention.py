@@ -21,19 +21,16 @@ Writes JSON + a markdown table (device, clocks, versions, command) to benchmarks
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _common import RESULTS, command, device_info, header, now, save
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"a": ("kv_bw_frac", 0.85), "b": ("kv_bw_frac", 0.80), "c": ("tflops_frac", 0.50)}
 
 
@@ -108,34 +105,6 @@ def measure_ceilings(device: torch.device, bench: Callable, smoke: bool) -> dict
     return {"copy_gbps": 2 * n_bytes / copy_ms / 1e6, "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
 
 
-def device_info(device: torch.device) -> dict[str, object]:
-    info: dict[str, object] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    import triton
-
-    info["triton"] = triton.__version__
-    from minengine.ops import flashinfer_ref
-
-    info["flashinfer"] = flashinfer_ref.version()
-    if device.type == "cuda":
-        info["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            info["driver"] = pynvml.nvmlSystemGetDriverVersion()
-            for key, clock in (("sm", pynvml.NVML_CLOCK_SM), ("mem", pynvml.NVML_CLOCK_MEM)):
-                info[f"clock_{key}_mhz"] = pynvml.nvmlDeviceGetClockInfo(h, clock)
-                info[f"clock_{key}_max_mhz"] = pynvml.nvmlDeviceGetMaxClockInfo(h, clock)
-        except Exception as exc:  # nvidia-ml-py missing or no NVML: record why
-            info["nvml"] = f"unavailable: {exc}"
-    return info
-
-
 def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict) -> dict:
     import triton_kernels
     from minengine.ops import flashinfer_ref, reference
@@ -183,16 +152,9 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
 
 
 def markdown(report: dict) -> str:
-    info, ceil = report["info"], report["ceilings"]
+    ceil = report["ceilings"]
     lines = [
-        f"# bench_attention: {info['device']}",
-        "",
-        *(["**Smoke run: tiny shapes, timings meaningless.**", ""] if report["config"]["smoke"] else []),
-        f"- command: `{report['command']}`",
-        f"- date (UTC): {report['date']}",
-        "- versions: " + ", ".join(f"{k} {info[k]}" for k in ("torch", "triton", "flashinfer", "python") if k in info),
-        "- clocks: "
-        + ", ".join(f"{k} {v}" for k, v in info.items() if k.startswith("clock_") or k in ("driver", "nvml")),
+        *header("bench_attention", report),
         f"- ceilings: copy {ceil['copy_gbps']:.0f} GB/s (read + write), "
         f"bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s",
         "",
@@ -255,18 +217,16 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(run_case(case, args, device, bench, ceilings))
         print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
     report = {
-        "command": " ".join(["python", *sys.argv]) if argv is None else f"bench_attention.main({argv!r})",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "command": command(argv, "bench_attention"),
+        "date": now(),
         "info": device_info(device),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "ceilings": ceilings,
         "rows": rows,
         "targets": check_targets(rows) if set("abcde") <= set(args.cases) else [],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "attention_smoke" if args.smoke else "attention_" + str(report["info"]["device"]).replace(" ", "_")
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(report))
+    save(args.out, stem, report, markdown(report))
     print(markdown(report))
     return report
 

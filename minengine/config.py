@@ -14,12 +14,14 @@ from typing import Any
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
     tokenizer: str | None = None  # defaults to the model directory
+    load_format: str = "auto"  # "dummy": seeded random weights, only config.json needed (benchmarks)
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
@@ -37,6 +39,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("load_format", self.load_format, LOAD_FORMATS)
         _int_at_least("page_size", self.page_size, 1)
         _int_at_least("max_running_requests", self.max_running_requests, 1)
         _int_at_least("chunked_prefill_size", self.chunked_prefill_size, 1)

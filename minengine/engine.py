@@ -46,7 +46,8 @@ class Engine:
         if mc.sliding_window and mc.sliding_window < self.context_length:
             logger.warning("sliding window %d: context length capped to it", mc.sliding_window)
             self.context_length = mc.sliding_window
-        self.model = load_model(config.model, mc, self.context_length, self.device, self.dtype)
+        dummy = config.load_format == "dummy"
+        self.model = load_model(config.model, mc, self.context_length, self.device, self.dtype, dummy)
         kernels = ops.get_kernels(config.attention_backend, self.device)
 
         ps = config.page_size
@@ -94,7 +95,8 @@ class Engine:
         if budget < per_page:
             raise ValueError(
                 f"no GPU memory left for the KV cache at mem_fraction_static={cfg.mem_fraction_static} "
-                f"({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB); raise it or set max_total_tokens"
+                f"({(total - free) / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB); "
+                "raise it or set max_total_tokens"
             )
         return budget // per_page
 

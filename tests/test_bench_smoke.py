@@ -10,11 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_attention.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", BENCH)
+def load_bench(name: str = "bench_attention"):
+    """Import a benchmark script as a module (its folder on sys.path, as when run directly)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -43,3 +46,16 @@ def test_flop_and_byte_counts():
     # a decode over 10 keys and a 2-token chunk over a 5-token prefix (sees 6 and 7 keys)
     assert bench.attention_flops((1, 2), (10, 7), num_q_heads=2, head_dim=8) == 4 * 8 * 2 * (10 + 13)
     assert bench.kv_bytes((10, 7), num_kv_heads=2, head_dim=8, elem=2) == 2 * 17 * 2 * 8 * 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_offline_smoke(tmp_path):
+    bench = load_bench("bench_offline")
+    report = bench.main(["--smoke", "--out", str(tmp_path)])
+    (row,) = report["rows"]
+    ours = row["minengine"]
+    assert ours["output_tokens"] > 0 and ours["tokens_per_s"] > 0
+    assert "| smoke |" in (tmp_path / "offline_smoke.md").read_text()
+    prompts, out_lens = bench.workload(256, 100, 1024, 1000, seed=0)
+    assert len(prompts) == 256 and all(100 <= len(p) <= 1024 for p in prompts)
+    assert all(100 <= n <= 1024 for n in out_lens)

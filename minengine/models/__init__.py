@@ -12,7 +12,7 @@ import torch
 
 from minengine.models.config import ARCHITECTURES, ModelConfig
 from minengine.models.decoder import CausalLM, ForwardBatch
-from minengine.models.tiny import TINY_CONFIG, init_tiny_weights, tiny_tokenizer
+from minengine.models.tiny import TINY_CONFIG, init_random_weights, tiny_tokenizer
 from minengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,10 @@ def load_tokenizer(tokenizer: str) -> Tokenizer:
     return tiny_tokenizer() if tokenizer == TINY else Tokenizer.from_dir(tokenizer)
 
 
-def load_model(model: str, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def load_model(
+    model: str, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype, dummy: bool = False
+) -> CausalLM:
+    """The model with its weights: from safetensors, or seeded random ones (``tiny``, ``dummy``)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -67,8 +70,8 @@ def load_model(model: str, cfg: ModelConfig, max_positions: int, device: torch.d
             net = CausalLM(cfg, max_positions)
     finally:
         torch.set_default_dtype(prev)
-    if model == TINY:
-        init_tiny_weights(net)
+    if model == TINY or dummy:
+        init_random_weights(net)
     else:
         _load_safetensors(net, _model_dir(model))
     return net.eval()
@@ -96,7 +99,7 @@ def _load_safetensors(net: CausalLM, path: Path) -> None:
     loaded: set[str] = set()
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                 if name.endswith("rotary_emb.inv_freq") or (
                     name == "lm_head.weight" and net.config.tie_word_embeddings
                 ):

@@ -4,7 +4,7 @@ It needs no files, so ``LLM("tiny")`` and the server run anywhere. Its output is
 
 Config: 2 layers, hidden 128, 4 query heads and 2 KV heads of dim 32 (GQA), MLP 256, vocab 260
 (256 byte tokens + <|begin_of_text|>, <|end_of_text|>, <|im_start|>, <|im_end|>), RoPE theta
-10000, 4096 positions, tied embeddings; weights ~ N(0, 0.02) from seed 0 (norms 1).
+10000, 4096 positions, tied embeddings; weights ~ N(0, 0.02) from seed 0 (norms 1), see ``init_random_weights``.
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ def _byte_table() -> dict[str, int]:
 _BYTE_OF = _byte_table()
 
 
-def init_tiny_weights(model: torch.nn.Module) -> None:
-    gen = torch.Generator().manual_seed(SEED)
-    for name, param in model.named_parameters():
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int = SEED) -> None:
+    """Norms 1, everything else N(0, 0.02), drawn on the parameters' device from ``seed``."""
+    for i, (name, param) in enumerate(model.named_parameters()):
         if name.endswith("norm.weight"):
-            value = torch.ones(param.shape)
+            param.fill_(1.0)
         else:
-            value = torch.empty(param.shape).normal_(0.0, 0.02, generator=gen)
-        with torch.no_grad():
-            param.copy_(value)
+            gen = torch.Generator(param.device).manual_seed(seed + i)
+            param.normal_(0.0, 0.02, generator=gen)

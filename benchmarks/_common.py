@@ -1,0 +1,78 @@
+"""What every benchmark records beside its numbers: device, clocks, versions, command."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+_CLOCK_KEYS = ("driver", "nvml")
+
+
+def device_info(device: torch.device) -> dict[str, object]:
+    import triton
+
+    from minengine.ops import flashinfer_ref
+
+    info: dict[str, object] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "flashinfer": flashinfer_ref.version(),
+        "python": platform.python_version(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        info["sm_count"] = torch.cuda.get_device_properties(device).multi_processor_count
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+            for key, clock in (("sm", pynvml.NVML_CLOCK_SM), ("mem", pynvml.NVML_CLOCK_MEM)):
+                info[f"clock_{key}_mhz"] = pynvml.nvmlDeviceGetClockInfo(handle, clock)
+                info[f"clock_{key}_max_mhz"] = pynvml.nvmlDeviceGetMaxClockInfo(handle, clock)
+        except Exception as exc:  # nvidia-ml-py missing or no NVML: record why
+            info["nvml"] = f"unavailable: {exc}"
+    return info
+
+
+def header(title: str, report: dict) -> list[str]:
+    """Markdown lines: title, command, date, versions, clocks."""
+    info = report["info"]
+    versions = ("torch", "triton", "transformers", "flashinfer", "python")
+    return [
+        f"# {title}: {info['device']}",
+        "",
+        *(["**Smoke run: tiny shapes, timings meaningless.**", ""] if report["config"].get("smoke") else []),
+        f"- command: `{report['command']}`",
+        f"- date (UTC): {report['date']}",
+        "- versions: " + ", ".join(f"{k} {info[k]}" for k in versions if k in info),
+        "- clocks: "
+        + ", ".join(f"{k} {v}" for k, v in info.items() if k.startswith("clock_") or k in ("driver", "nvml")),
+    ]
+
+
+def command(argv: list[str] | None, script: str) -> str:
+    return " ".join(["python", *sys.argv]) if argv is None else f"{script}.main({argv!r})"
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def save(out_dir: Path, stem: str, report: dict, markdown: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown)

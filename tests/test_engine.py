@@ -1,0 +1,219 @@
+"""Engine behaviour on the built-in tiny model: inputs, validation, sampling, stopping, KV pressure."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from checkpoints import build_checkpoint
+
+from minengine import LLM, EngineConfig, SamplingParams
+from minengine.engine import Engine
+from minengine.models.tiny import tiny_tokenizer
+from minengine.sampler import filtered_probs
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def gen(llm, prompt, **params):
+    """One prompt's output, greedy unless params say otherwise."""
+    return llm.generate(prompt, SamplingParams(**{"temperature": 0} | params), use_tqdm=False)[0]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM("tiny", page_size=4, max_total_tokens=4096)
+    yield engine
+    engine.shutdown()
+
+
+def test_tiny_needs_no_files(llm):
+    (out,) = llm.generate("Hello", use_tqdm=False)
+    assert out.prompt == "Hello" and out.prompt_token_ids == tiny_tokenizer().encode("Hello")
+    assert 1 <= len(out.token_ids) <= 16 and out.finish_reason in ("stop", "length")
+
+
+def test_prompt_forms_and_order(llm):
+    ids = llm.tokenizer.encode("abc")
+    single = llm.generate(ids, GREEDY, use_tqdm=False)
+    assert len(single) == 1 and single[0].prompt is None
+    outs = llm.generate(["abc", "a much longer prompt here", "x"], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == ["abc", "a much longer prompt here", "x"]
+    assert outs[0].token_ids == single[0].token_ids  # ids and text of the same prompt agree
+    mixed = llm.generate([ids, [5, 6, 7]], [GREEDY, SamplingParams(max_tokens=3, temperature=0)], use_tqdm=False)
+    assert len(mixed[1].token_ids) <= 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], GREEDY, "empty"),
+        ([1, 999], GREEDY, r"token id 999 is outside the vocabulary \[0, 260\)"),
+        ([1] * 4000, SamplingParams(max_tokens=200), r"\(4000 tokens\) \+ max_tokens \(200\) = 4200 exceeds"),
+    ],
+)
+def test_bad_requests_are_rejected_before_anything_runs(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3], prompt], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()  # the valid first prompt was not queued either
+
+
+def test_request_larger_than_kv_capacity_is_rejected():
+    small = LLM("tiny", page_size=4, max_total_tokens=32)
+    with pytest.raises(ValueError, match=r"= 40 exceeds the KV cache capacity 32 tokens"):
+        small.generate([[1] * 30], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+def test_sampling_params_list_must_match(llm):
+    with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
+        llm.generate(["a", "b", "c"], [GREEDY, GREEDY], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(max_tokens=0), "max_tokens is 0"),
+        (dict(temperature=-1), "temperature is -1"),
+        (dict(top_p=0), r"top_p is 0; allowed: a number in \(0, 1\]"),
+        (dict(top_k=-2), "top_k is -2"),
+        (dict(min_p=1.5), "min_p is 1.5"),
+        (dict(stop=[""]), "stop is"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids is"),
+        (dict(seed=1.5), "seed is 1.5"),
+    ],
+)
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(devcie="cpu"), "unknown config field.*devcie.*allowed:.*device"),
+        (dict(device="tpu"), "device is 'tpu'; allowed: auto, cuda, cpu"),
+        (dict(dtype="fp8"), "dtype is 'fp8'"),
+        (dict(attention_backend="tvm"), "attention_backend is 'tvm'"),
+        (dict(page_size=0), "page_size is 0; allowed: an integer >= 1"),
+        (dict(chunked_prefill_size=-5), "chunked_prefill_size is -5"),
+        (dict(mem_fraction_static=1.5), r"mem_fraction_static is 1.5; allowed: a number in \(0, 1\)"),
+        (dict(disable_radix_cache="yes"), "disable_radix_cache is 'yes'"),
+    ],
+)
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
+    alone = llm.generate(["seeded prompt"], seeded, use_tqdm=False)[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True)
+    batch = llm.generate(["x", "seeded prompt", "yz"], [others, seeded, others], use_tqdm=False)
+    assert batch[1].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, max_tokens=12, seed=99, ignore_eos=True)
+    assert llm.generate(["seeded prompt"], other_seed, use_tqdm=False)[0].token_ids != alone
+
+
+def test_top_k_top_p_min_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.8), SamplingParams(min_p=0.5)]
+    probs = filtered_probs(logits, params)
+    assert (probs > 0).tolist() == [[True, True, False, False], [True, True, False, False], [True, True, False, False]]
+    keep_all = filtered_probs(logits[:1], [SamplingParams(top_p=1.0, top_k=-1)])
+    torch.testing.assert_close(keep_all, logits[:1].softmax(-1))
+
+
+def test_sampled_tokens_respect_top_k(llm):
+    sampled = gen(llm, "abc", temperature=5.0, top_k=1, max_tokens=6, ignore_eos=True)
+    assert sampled.token_ids == gen(llm, "abc", max_tokens=6, ignore_eos=True).token_ids
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+    base = gen(llm, "stop test", max_tokens=12, ignore_eos=True)
+    stop_id = base.token_ids[3]
+    out = gen(llm, "stop test", max_tokens=12, stop_token_ids=[stop_id])
+    first = base.token_ids.index(stop_id)
+    assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop"
+    text = base.text
+    assert len(text) >= 4
+    stop = text[2:4]
+    out = gen(llm, "stop test", max_tokens=12, stop=[stop, "\x00never"])
+    assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
+    assert stop not in out.text
+
+
+def test_max_tokens_gives_length(llm):
+    out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_kv_pressure_queues_and_keeps_accounting(monkeypatch):
+    """KV for only ~3 of 8 requests at once: the rest wait, all finish, pages balance every step."""
+    real_step = Engine.step
+    waited = []
+
+    def step(self):
+        done = real_step(self)
+        acc = self.scheduler.accounting()
+        assert acc["free"] + acc["held_by_requests"] + acc["held_only_by_cache"] == acc["total"], acc
+        waited.append(len(self.scheduler.waiting))
+        return done
+
+    monkeypatch.setattr(Engine, "step", step)
+    llm = LLM("tiny", page_size=4, max_total_tokens=96, chunked_prefill_size=16)
+    prompts = [[10 + i] * 20 for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 10 for o in outs)
+    assert max(waited) > 0
+    acc = llm.engine.scheduler.accounting()
+    assert acc["held_by_requests"] == 0 and acc["free"] + acc["held_only_by_cache"] == acc["total"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("ck") / "qwen3", "qwen3")
+
+
+def test_loading_errors(qwen3_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    bad = tmp_path / "gpt2"
+    shutil.copytree(qwen3_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*supported: LlamaForCausalLM"):
+        LLM(str(bad))
+    empty = tmp_path / "noweights"
+    shutil.copytree(qwen3_dir, empty)
+    (empty / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors weights"):
+        LLM(str(empty))
+    partial = tmp_path / "partial"
+    shutil.copytree(qwen3_dir, partial)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(partial / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, partial / "model.safetensors")
+    with pytest.raises(ValueError, match="missing weights in .*model.norm.weight"):
+        LLM(str(partial))
+
+
+def test_chat_template_and_real_checkpoint(qwen3_dir):
+    llm = LLM(str(qwen3_dir))
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<s><|user|>\nhi</s>\n<|assistant|>\n"
+    assert llm.generate(text, GREEDY, use_tqdm=False)[0].finish_reason == "length"
+
+
+def test_dummy_load_format_needs_only_config(qwen3_dir, tmp_path):
+    cfg_only = tmp_path / "cfg_only"
+    shutil.copytree(qwen3_dir, cfg_only)
+    (cfg_only / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="load_format is 'fake'"):
+        LLM(str(cfg_only), load_format="fake")
+    out = LLM(str(cfg_only), load_format="dummy").generate("hi", GREEDY, use_tqdm=False)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens

@@ -1,0 +1,114 @@
+"""Page allocator and radix prefix cache: match, insert, split, lock, LRU eviction, accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from minengine.memory import PageAllocator, RadixCache
+
+
+def test_allocator_all_or_nothing_and_double_free():
+    a = PageAllocator(5)
+    pages = a.alloc(3)
+    assert sorted(pages) == [0, 1, 2] and a.num_free == 2
+    assert a.alloc(3) is None and a.num_free == 2
+    a.free(pages)
+    assert a.num_free == 5
+    with pytest.raises(RuntimeError, match="freed twice"):
+        a.free([pages[0]])
+
+
+def make_cache(page_size=2, num_pages=64):
+    alloc = PageAllocator(num_pages)
+    return RadixCache(page_size, alloc.free), alloc
+
+
+def test_match_and_insert_page_aligned():
+    cache, alloc = make_cache()
+    pages = alloc.alloc(3)
+    assert cache.insert([1, 2, 3, 4, 5, 6, 7], pages) == 0  # 7 tokens: 3 full pages cached
+    assert cache.total_pages == 3
+    got, _ = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
+    assert got == pages
+    got, _ = cache.match_prefix([1, 2, 3, 9])  # diverges inside the second page
+    assert got == pages[:1]
+    assert cache.match_prefix([9, 9])[0] == []
+    assert cache.match_prefix([1])[0] == []  # less than a page never matches
+
+
+def test_insert_reports_cached_prefix_and_splits():
+    cache, alloc = make_cache()
+    a = alloc.alloc(3)
+    cache.insert([1, 2, 3, 4, 5, 6], a)
+    b = alloc.alloc(3)
+    assert cache.insert([1, 2, 3, 4, 7, 8], b) == 4  # two pages were cached already
+    alloc.free(b[:2])  # the caller frees its duplicates
+    assert cache.total_pages == 4
+    assert cache.match_prefix([1, 2, 3, 4, 7, 8])[0] == a[:2] + b[2:]
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6])[0] == a
+
+
+def test_lock_protects_path_and_eviction_is_lru():
+    cache, alloc = make_cache()
+    cache.insert([1, 1, 2, 2], alloc.alloc(2))
+    cache.insert([3, 3, 4, 4], alloc.alloc(2))
+    cache.insert([5, 5], alloc.alloc(1))
+    _, node = cache.match_prefix([1, 1, 2, 2])
+    cache.lock(node)
+    assert cache.protected_pages == 2 and cache.evictable_pages == 3
+    cache.match_prefix([5, 5])  # touch: [3 3 4 4] is now least recently used
+    free_before = alloc.num_free
+    assert cache.evict(1) == 2
+    assert cache.match_prefix([3, 3])[0] == [] and cache.match_prefix([5, 5])[0] != []
+    assert alloc.num_free == free_before + 2
+    assert cache.evict(100) == 1  # only [5 5] was left unlocked
+    assert cache.total_pages == 2
+    cache.unlock(node)
+    assert cache.evictable_pages == 2
+    cache.reset()
+    assert cache.total_pages == 0 and alloc.num_free == 64
+
+
+def test_locked_split_node_stays_protected():
+    cache, alloc = make_cache()
+    cache.insert([1, 1, 2, 2, 3, 3], alloc.alloc(3))
+    _, node = cache.match_prefix([1, 1, 2, 2, 3, 3])
+    cache.lock(node)
+    cache.match_prefix([1, 1, 9, 9])  # splits the locked node after one page
+    assert cache.protected_pages == 3
+    assert cache.evict(10) == 0
+    cache.unlock(node)
+    assert cache.evict(10) == 3
+
+
+def test_random_operations_keep_accounting():
+    rng = random.Random()
+    cache, alloc = make_cache(page_size=rng.choice([1, 2, 3]), num_pages=400)
+    ps = cache.page_size
+    locked = []
+    for _ in range(300):
+        op = rng.random()
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        if op < 0.5:
+            n_full = len(tokens) // ps
+            pages = alloc.alloc(n_full)
+            if pages is None:
+                cache.evict(n_full)
+                continue
+            already = cache.insert(tokens, pages) // ps
+            alloc.free(pages[:already])
+        elif op < 0.7:
+            _, node = cache.match_prefix(tokens)
+            cache.lock(node)
+            locked.append(node)
+        elif op < 0.85 and locked:
+            cache.unlock(locked.pop(rng.randrange(len(locked))))
+        else:
+            cache.evict(rng.randrange(1, 6))
+        nodes = list(cache._nodes())
+        assert cache.total_pages == sum(len(n.pages) for n in nodes)
+        assert cache.protected_pages == sum(len(n.pages) for n in nodes if n.lock_ref > 0)
+        assert alloc.num_free + cache.total_pages == 400
+        assert all(len(n.key) == len(n.pages) * ps for n in nodes)
