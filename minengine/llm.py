@@ -34,6 +34,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in input order. Every request is checked before any runs."""
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
@@ -61,4 +63,7 @@ class LLM:
         ]
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Free the model and the KV cache (GPU memory included). Safe to call twice."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None

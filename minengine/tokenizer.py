@@ -1,10 +1,10 @@
 """Tokenizer from a model directory's ``tokenizer.json``, behaving as ``AutoTokenizer`` does.
 
-Encoding adds special tokens through the file's post-processor (as transformers does), with the
-``add_bos_token`` / ``add_eos_token`` switches of ``tokenizer_config.json`` applied when present.
-Decoding skips special tokens. The chat template comes from ``tokenizer_config.json`` (or
-``chat_template.jinja``) and is rendered with jinja2 the way transformers renders it; without
-one, a ChatML template is used.
+Encoding adds special tokens through the file's post-processor, as transformers 5 does (it
+ignores ``add_bos_token`` / ``add_eos_token`` in ``tokenizer_config.json`` when a
+``tokenizer.json`` is present, and so do we). Decoding skips special tokens. The chat template
+comes from ``tokenizer_config.json`` (or ``chat_template.jinja``) and is rendered with jinja2
+the way transformers renders it; without one, a ChatML template is used.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import processors
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -45,8 +44,6 @@ class Tokenizer:
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token")}
-        if "add_bos_token" in cfg or "add_eos_token" in cfg:
-            _set_bos_eos(backend, special, cfg.get("add_bos_token", False), cfg.get("add_eos_token", False))
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
@@ -79,13 +76,3 @@ class Tokenizer:
 
 def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
-
-
-def _set_bos_eos(backend: HFTokenizer, special: dict[str, str | None], add_bos: bool, add_eos: bool) -> None:
-    """Rebuild the post-processor as transformers' Llama-style tokenizers do for these switches."""
-    bos, eos = special.get("bos_token"), special.get("eos_token")
-    use_bos, use_eos = add_bos and bos is not None, add_eos and eos is not None
-    single = ([f"{bos}:0"] if use_bos else []) + ["$A:0"] + ([f"{eos}:0"] if use_eos else [])
-    pair = single + ([f"{bos}:1"] if use_bos else []) + ["$B:1"] + ([f"{eos}:1"] if use_eos else [])
-    tokens = [(t, backend.token_to_id(t)) for t, on in ((bos, use_bos), (eos, use_eos)) if on]
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)

@@ -217,3 +217,54 @@ def test_dummy_load_format_needs_only_config(qwen3_dir, tmp_path):
         LLM(str(cfg_only), load_format="fake")
     out = LLM(str(cfg_only), load_format="dummy").generate("hi", GREEDY, use_tqdm=False)[0]
     assert len(out.token_ids) == GREEDY.max_tokens
+
+
+def test_eos_stops_unless_ignored(llm):
+    eos = next(iter(llm.engine.eos_token_ids))
+    req = llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    req.token_ids.append(eos)
+    assert llm.engine._stop_reason(req) == "stop"
+    ignoring = llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
+    ignoring.token_ids.append(eos)
+    assert llm.engine._stop_reason(ignoring) is None
+    while llm.engine.has_unfinished():  # drain them
+        llm.engine.step()
+
+
+def test_shutdown_frees_and_refuses_more_work():
+    llm = LLM("tiny")
+    llm.shutdown()
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("hi", use_tqdm=False)
+
+
+def test_tokenizer_matches_auto_tokenizer(qwen3_dir):
+    from transformers import AutoTokenizer
+
+    from minengine.tokenizer import Tokenizer
+
+    ours, theirs = Tokenizer.from_dir(qwen3_dir), AutoTokenizer.from_pretrained(qwen3_dir)
+    texts = ["Hello world", "  spaces  and\nnewlines\t", "東京 🚀 naïve", "<s>special</s> <|user|> inside", ""]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    for gen_prompt in (True, False):
+        want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen_prompt) == want
+
+
+def test_tokenizer_ignores_add_bos_eos_switches_like_transformers(qwen3_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from minengine.tokenizer import Tokenizer
+
+    path = tmp_path / "switches"
+    shutil.copytree(qwen3_dir, path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": False, "add_eos_token": True}))
+    assert Tokenizer.from_dir(path).encode("Hello world") == AutoTokenizer.from_pretrained(path).encode("Hello world")
