@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import RESULTS, command, device_info, header, now, save
+from _common import RESULTS, header, save, stem
+from _common import report as make_report
 
 TARGETS = {"a": ("kv_bw_frac", 0.85), "b": ("kv_bw_frac", 0.80), "c": ("tflops_frac", 0.50)}
 
@@ -216,17 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     for case in selected:
         rows.append(run_case(case, args, device, bench, ceilings))
         print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
-    report = {
-        "command": command(argv, "bench_attention"),
-        "date": now(),
-        "info": device_info(device),
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "ceilings": ceilings,
-        "rows": rows,
-        "targets": check_targets(rows) if set("abcde") <= set(args.cases) else [],
-    }
-    stem = "attention_smoke" if args.smoke else "attention_" + str(report["info"]["device"]).replace(" ", "_")
-    save(args.out, stem, report, markdown(report))
+    targets = check_targets(rows) if set("abcde") <= set(args.cases) else []
+    report = make_report(argv, "bench_attention", device, args, rows, ceilings=ceilings, targets=targets)
+    save(args.out, stem("attention", report), report, markdown(report))
     print(markdown(report))
     return report
 

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, command, device_info, header, now, save
+from _common import RESULTS, header, save, stem
+from _common import report as make_report
 
 # Hugging Face config.json contents of the shapes we measure (weights are random).
 SHAPES = {
@@ -214,15 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
                     row["transformers"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    report = {
-        "command": command(argv, "bench_offline"),
-        "date": now(),
-        "info": device_info(device),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
-        "rows": rows,
-    }
-    stem = "offline_smoke" if args.smoke else "offline_" + str(report["info"]["device"]).replace(" ", "_")
-    save(args.out, stem, report, markdown(report))
+    report = make_report(argv, "bench_offline", device, args, rows)
+    save(args.out, stem("offline", report), report, markdown(report))
     print(markdown(report))
     return report
 

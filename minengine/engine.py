@@ -162,7 +162,7 @@ class Engine:
         return None
 
     def shutdown(self) -> None:
-        for name in ("runner", "model", "scheduler"):
-            self.__dict__.pop(name, None)
+        """Drop the model, the KV pool (held by the runner) and the scheduler's state."""
+        del self.runner, self.model, self.scheduler
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -26,3 +26,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def kv_checked_steps(monkeypatch):
+    """Assert after every engine step: pages = free + held by requests + held only by the cache.
+
+    Yields the list of per-step accounting dicts (with the waiting-queue length added).
+    """
+    from minengine.engine import Engine
+
+    real_step = Engine.step
+    steps = []
+
+    def step(self):
+        done = real_step(self)
+        acc = self.scheduler.accounting()
+        assert acc["free"] + acc["held_by_requests"] + acc["held_only_by_cache"] == acc["total"], acc
+        steps.append(acc | {"waiting": len(self.scheduler.waiting)})
+        return done
+
+    monkeypatch.setattr(Engine, "step", step)
+    return steps

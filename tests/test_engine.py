@@ -10,7 +10,6 @@ import torch
 from checkpoints import build_checkpoint
 
 from minengine import LLM, EngineConfig, SamplingParams
-from minengine.engine import Engine
 from minengine.models.tiny import tiny_tokenizer
 from minengine.sampler import filtered_probs
 
@@ -150,24 +149,13 @@ def test_max_tokens_gives_length(llm):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
-def test_kv_pressure_queues_and_keeps_accounting(monkeypatch):
+def test_kv_pressure_queues_and_keeps_accounting(kv_checked_steps):
     """KV for only ~3 of 8 requests at once: the rest wait, all finish, pages balance every step."""
-    real_step = Engine.step
-    waited = []
-
-    def step(self):
-        done = real_step(self)
-        acc = self.scheduler.accounting()
-        assert acc["free"] + acc["held_by_requests"] + acc["held_only_by_cache"] == acc["total"], acc
-        waited.append(len(self.scheduler.waiting))
-        return done
-
-    monkeypatch.setattr(Engine, "step", step)
     llm = LLM("tiny", page_size=4, max_total_tokens=96, chunked_prefill_size=16)
     prompts = [[10 + i] * 20 for i in range(8)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert all(len(o.token_ids) == 10 for o in outs)
-    assert max(waited) > 0
+    assert max(step["waiting"] for step in kv_checked_steps) > 0
     acc = llm.engine.scheduler.accounting()
     assert acc["held_by_requests"] == 0 and acc["free"] + acc["held_only_by_cache"] == acc["total"]
 

@@ -15,7 +15,6 @@ import torch
 from checkpoints import build_checkpoint
 
 from minengine import LLM, SamplingParams
-from minengine.engine import Engine
 
 MAX_TOKENS = 10
 
@@ -55,22 +54,6 @@ def expected(hf_model):
     return prompts, [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
 
 
-def checked_steps(monkeypatch):
-    """Assert after every engine step: pages = free + held by requests + held only by the cache."""
-    real_step = Engine.step
-    steps = []
-
-    def step(self):
-        done = real_step(self)
-        acc = self.scheduler.accounting()
-        assert acc["free"] + acc["held_by_requests"] + acc["held_only_by_cache"] == acc["total"], acc
-        steps.append(acc)
-        return done
-
-    monkeypatch.setattr(Engine, "step", step)
-    return steps
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -85,9 +68,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ],
     ids=["page16", "page1-chunk3", "page5-chunk8-run2", "page5-noradix", "page16-threshold6"],
 )
-def test_greedy_matches_transformers(checkpoint, expected, config, monkeypatch):
+def test_greedy_matches_transformers(checkpoint, expected, config, kv_checked_steps):
     prompts, want = expected
-    steps = checked_steps(monkeypatch)
+    steps = kv_checked_steps
     llm = LLM(str(checkpoint), **config)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == want

@@ -26,6 +26,8 @@ class RunningInfo:
     final_pages: int  # pages it needs at its longest (prompt + max_tokens)
 
 
+# NOTE: two waiting requests sharing an unlocked cached prefix each count its pages in
+# ``pinned_pages``; admitting both pins them once. The check is conservative, never optimistic.
 @dataclass(frozen=True)
 class WaitingInfo:
     rid: int
