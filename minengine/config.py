@@ -15,6 +15,8 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+# fields whose values come from a fixed list (the CLI offers them as choices)
+CHOICES = {"device": DEVICES, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "load_format": LOAD_FORMATS}
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import torch
 
 from minengine import ops
 from minengine.config import EngineConfig
+from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory import KVPool, PageTable
 from minengine.models import load_model, load_model_config, load_tokenizer
 from minengine.request import Request
@@ -35,9 +36,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def check_prompt(
+    prompt_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int, kv_capacity: int
+) -> None:
+    """Raise ValueError if a request is malformed or can never fit; the message names the values."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    bad = next(
+        (t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None
+    )
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    total = len(prompt_ids) + params.max_tokens
+    for limit, what in ((context_length, "the context length"), (kv_capacity, "the KV cache capacity of")):
+        if total > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds {what} {limit} tokens"
+            )
+
+
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
+        """``detokenize=False``: the caller makes the output text and applies stop strings (the
+        server's front end does, so the scheduler process never decodes)."""
         self.config = config
+        self.detokenize = detokenize
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config = mc = load_model_config(config.model)
@@ -104,23 +128,7 @@ class Engine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request is malformed or can never fit."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.context_length:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the context length {self.context_length}"
-            )
-        if total > self.kv_capacity_tokens:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the KV cache capacity {self.kv_capacity_tokens} tokens"
-            )
+        check_prompt(prompt_ids, params, self.model_config.vocab_size, self.context_length, self.kv_capacity_tokens)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         self.check_request(prompt_ids, params)
@@ -130,36 +138,53 @@ class Engine:
             params=params,
             max_len=len(prompt_ids) + params.max_tokens,
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop_strings) if self.detokenize else None,
         )
         self.scheduler.add(req)
         return req
+
+    def abort(self, req: Request) -> None:
+        self.scheduler.abort(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """Schedule, run one forward, sample, update; returns the requests that finished."""
+        """Schedule, run one forward, sample, update. Returns the requests that sampled a token
+        (``token_ids[-1]``) this step; those that finished with it have ``finished`` set."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
         sampled = self.runner.run(batch)
-        return self.scheduler.update(batch, sampled, self._stop_reason)
+        self.scheduler.update(batch, sampled, self._stop_reason)
+        return list(sampled)
+
+    def stats(self) -> dict[str, int]:
+        """Gauges: requests running / waiting, and KV pages total / in use by requests / cached."""
+        acc = self.scheduler.accounting()
+        cache = self.scheduler.cache
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_pages_total": acc["total"],
+            "kv_pages_in_use": acc["held_by_requests"],
+            "kv_pages_cached": cache.total_pages if cache is not None else 0,
+        }
 
     def _stop_reason(self, req: Request) -> str | None:
         token, p = req.token_ids[-1], req.params
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or ()):
-            req.text = self.tokenizer.decode(req.output_ids)
-            return "stop"
-        if p.stop_strings:
-            text = self.tokenizer.decode(req.output_ids)
-            cut = min((i for s in p.stop_strings if (i := text.find(s)) >= 0), default=-1)
-            if cut >= 0:
-                req.text = text[:cut]
-                return "stop"
-        if len(req.token_ids) >= req.max_len:
-            req.text = self.tokenizer.decode(req.output_ids)
-            return "length"
-        return None
+        if req.detok is not None:
+            req.detok.add([token])
+        eos = not p.ignore_eos and token in self.eos_token_ids
+        stop_string = req.detok is not None and req.detok.stopped
+        reason = None
+        if eos or token in (p.stop_token_ids or ()) or stop_string:
+            reason = "stop"
+        elif len(req.token_ids) >= req.max_len:
+            reason = "length"
+        if reason is not None and req.detok is not None:
+            req.detok.finish()
+        return reason
 
     def shutdown(self) -> None:
         """Drop the model, the KV pool (held by the runner) and the scheduler's state."""

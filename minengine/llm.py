@@ -56,7 +56,7 @@ class LLM:
         reqs = [self.engine.add_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]
         with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
-                bar.update(len(self.engine.step()))
+                bar.update(sum(r.finished for r in self.engine.step()))
         return [
             RequestOutput(r.rid, text, r.prompt_ids, r.output_ids, r.text, r.finish_reason)
             for r, text in zip(reqs, texts, strict=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory.radix_cache import Node
 from minengine.sampling_params import SamplingParams
 
@@ -31,8 +32,9 @@ class Request:
     node: Node | None = None
     slot: int | None = None
     finish_reason: str | None = None
-    text: str = ""
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None  # None when the caller makes the text (server)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -41,6 +43,14 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
 
     @property
     def num_pending(self) -> int:

@@ -61,7 +61,7 @@ def test_bad_requests_are_rejected_before_anything_runs(llm, prompt, params, mes
 
 def test_request_larger_than_kv_capacity_is_rejected():
     small = LLM("tiny", page_size=4, max_total_tokens=32)
-    with pytest.raises(ValueError, match=r"= 40 exceeds the KV cache capacity 32 tokens"):
+    with pytest.raises(ValueError, match=r"= 40 exceeds the KV cache capacity of 32 tokens"):
         small.generate([[1] * 30], SamplingParams(max_tokens=10), use_tqdm=False)
 
 

@@ -127,7 +127,7 @@ class Scheduler:
         if node is not None:
             self.cache.lock(node)
         req.node, req.pages, req.cached_pages = node, list(pages), len(pages)
-        req.num_computed = len(pages) * self.page_size
+        req.num_computed = req.cached_tokens = len(pages) * self.page_size
         req.slot = self.page_table.acquire()
         self.page_table.write(req.slot, 0, req.pages)
         req.status = Status.RUNNING
@@ -172,6 +172,14 @@ class Scheduler:
         req.pages, req.cached_pages, req.node, req.slot = [], 0, None, None
         req.status, req.finish_reason = Status.FINISHED, reason
         self.running.remove(req)
+
+    def abort(self, req: Request) -> None:
+        """Drop a request wherever it is; a running one releases its pages at once."""
+        if req.status is Status.RUNNING:
+            self.finish(req, "abort")
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "abort"
 
     def accounting(self) -> dict[str, int]:
         """Where every KV page is: free, held by running requests, held only by the prefix cache."""

@@ -1,0 +1,171 @@
+"""``python -m minengine.serve``: the OpenAI-compatible server.
+
+With no arguments it serves the built-in ``tiny`` model on 127.0.0.1:30000. Every engine config
+field is a flag (``chunked_prefill_size`` is ``--chunked-prefill-size``), defaults in ``--help``.
+The scheduler runs in its own process; SIGTERM or Ctrl-C shut both down within a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+import uvicorn
+
+from minengine.config import CHOICES, EngineConfig
+
+logger = logging.getLogger("minengine.serve")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m minengine.serve",
+        description="OpenAI-compatible server for minengine.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=30000, help="port to listen on (1..65535)")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    engine = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type)
+        if kind == "bool":
+            engine.add_argument(flag, action="store_true", help=f.name)
+        elif f.name in CHOICES:
+            engine.add_argument(flag, default=f.default, choices=CHOICES[f.name], help=f.name)
+        else:
+            typ = int if kind.startswith("int") else float if kind.startswith("float") else str
+            engine.add_argument(flag, type=typ, default=f.default, metavar=typ.__name__.upper(), help=f.name)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is out of range; allowed: 1..65535")
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    try:
+        config = EngineConfig.from_kwargs(**fields)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        parser.error(f"argument --{name.replace('_', '-')}: {exc}")
+    return args, config
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our shutdown: on SIGTERM / SIGINT, 503 for new requests, in-flight ones end
+    (finished or ``abort``), then exit; a second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state):
+        super().__init__(config)
+        self.state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self) -> None:
+        if self.state.shutting_down:
+            self.force_exit = True
+            return
+        logger.info("shutting down")
+        asyncio.get_running_loop().create_task(self._graceful())
+
+    async def _graceful(self) -> None:
+        await self.state.begin_shutdown()
+        self.should_exit = True
+
+
+def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
+    from minengine.models import load_tokenizer
+    from minengine.server.api import ServerState, build_app
+    from minengine.server.frontend import SchedulerClient, SchedulerDied
+    from minengine.server.metrics import Metrics
+    from minengine.server.scheduler_process import run_scheduler
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ipc_dir = tempfile.mkdtemp(prefix="minengine-")
+    requests_addr, outputs_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
+    metrics = Metrics()
+    client = SchedulerClient(requests_addr, outputs_addr, metrics)  # binds before the child connects
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_scheduler, args=(config, requests_addr, outputs_addr, os.getpid()), daemon=True, name="scheduler"
+    )
+    process.start()
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    state = ServerState(client, tokenizer, args.served_model_name or config.model, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        ready = await client.start(process.is_alive)
+        logger.info(
+            "serving %s on http://%s:%d (context %d, KV capacity %d tokens)",
+            state.served_model_name,
+            args.host,
+            args.port,
+            ready.context_length,
+            ready.kv_capacity_tokens,
+        )
+        try:
+            yield
+        finally:  # inside the event loop, where zmq.asyncio sockets must be closed
+            client.shutdown()
+            client.close()
+
+    app = build_app(state, lifespan)
+
+    server = _Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3),
+        state,
+    )
+    code = 0
+    try:
+        server.run()
+        if not server.started:
+            code = 1
+    except SchedulerDied as exc:
+        logger.error("%s", exc)
+        code = 1
+    finally:
+        process.join(5)
+        if process.is_alive():
+            process.terminate()
+            process.join(2)
+        if process.is_alive():
+            process.kill()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_args(argv)
+    return run_server(args, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

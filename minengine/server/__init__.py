@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: an HTTP front end and a scheduler process joined by ZMQ."""

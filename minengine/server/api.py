@@ -1,0 +1,439 @@
+"""OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health, metrics.
+
+Requests are parsed and validated here, so every bad input is a 400 (or 404 for an unknown
+model) in the OpenAI / vLLM error shape, never FastAPI's 422; the server keeps serving after each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from minengine.engine import check_prompt
+from minengine.sampling_params import SamplingParams
+from minengine.server.frontend import Piece, SchedulerClient, SchedulerDied, generate
+from minengine.server.metrics import Metrics
+from minengine.tokenizer import Tokenizer
+
+DRAIN_SECONDS = 5.0
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+# --- request schemas --------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+
+
+# --- state ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerState:
+    client: SchedulerClient
+    tokenizer: Tokenizer
+    served_model_name: str
+    metrics: Metrics
+    shutting_down: bool = False
+    inflight: int = 0
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.shutting_down and self.client.dead is None and self.client.ready is not None
+
+    async def begin_shutdown(self) -> None:
+        """New requests get 503; in-flight ones end (finish or ``abort``); wait for them a while."""
+        self.shutting_down = True
+        self.client.shutdown()
+        if self.inflight:
+            self.drained.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drained.wait(), DRAIN_SECONDS)
+
+    def enter(self) -> None:
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.drained.set()
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
+    try:
+        data = json.loads(await raw.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = first["loc"]
+        raise APIError(
+            400, f"{'.'.join(map(str, loc)) or 'body'}: {first['msg']}", str(loc[0]) if loc else None
+        ) from None
+
+
+def sampling_params(req: _Sampling, max_tokens: int | None) -> SamplingParams:
+    if req.n < 1:
+        raise APIError(400, f"n is {req.n}; allowed: an integer >= 1", "n")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else 16,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        raise APIError(400, message, message.split(" ", 1)[0]) from None
+
+
+def chat_text(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them (content parts joined to one string)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if part.get("type", "text") == "text")
+        out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+# --- the app ----------------------------------------------------------------------------------
+
+
+def build_app(state: ServerState, lifespan=None) -> FastAPI:
+    app = FastAPI(title="minengine", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(SchedulerDied)
+    async def _dead(_: Request, exc: SchedulerDied) -> JSONResponse:
+        return error_response(500, f"the scheduler is not running: {exc}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.healthy:
+            return Response(status_code=200)
+        return error_response(503, "shutting down" if state.shutting_down else "the scheduler is not running")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        ready = state.client.ready
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "minengine",
+            "max_model_len": ready.context_length if ready else None,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        req = await parse_body(raw, CompletionRequest)
+        _check_open(state, req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        if req.logprobs is not None:
+            raise APIError(400, "logprobs is not supported", "logprobs")
+        prompts = _completion_prompts(state.tokenizer, req.prompt)
+        params = sampling_params(req, req.max_tokens)
+        choices = _choices(state, prompts, params, req.n)
+        return await _respond(state, raw, req, choices, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        req = await parse_body(raw, ChatCompletionRequest)
+        _check_open(state, req.model)
+        if req.logprobs:
+            raise APIError(400, "logprobs is not supported", "logprobs")
+        if not req.messages:
+            raise APIError(400, "messages is empty", "messages")
+        try:
+            text = state.tokenizer.apply_chat_template(chat_text(req.messages), add_generation_prompt=True)
+        except Exception as exc:  # a template may raise on messages it does not accept
+            raise APIError(400, f"the chat template failed: {exc}", "messages") from None
+        prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None and state.client.ready is not None:  # as vLLM: the rest of the context
+            max_tokens = max(1, state.client.ready.context_length - len(prompt_ids))
+        params = sampling_params(req, max_tokens)
+        choices = _choices(state, [prompt_ids], params, req.n)
+        return await _respond(state, raw, req, choices, chat=True)
+
+    return app
+
+
+def _check_open(state: ServerState, model: str | None) -> None:
+    if state.shutting_down:
+        raise APIError(503, "the server is shutting down")
+    if state.client.dead is not None:
+        raise SchedulerDied(state.client.dead)
+    if model is not None and model != state.served_model_name:
+        raise APIError(404, f"the model {model!r} does not exist; served: {state.served_model_name!r}", "model")
+
+
+def _completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str) and not p:
+            raise APIError(400, "prompt is empty", "prompt")
+        out.append(tokenizer.encode(p) if isinstance(p, str) else list(p))
+    return out
+
+
+def _choices(state: ServerState, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:
+    ready = state.client.ready
+    for ids in prompts:
+        try:
+            check_prompt(ids, params, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from None
+    choices = []
+    for ids in prompts:
+        for j in range(n):
+            seeded = replace(params, seed=params.seed + j) if params.seed is not None and j else params
+            choices.append(Choice(len(choices), ids, seeded))
+    return choices
+
+
+async def _pieces(state: ServerState, choices: list[Choice]) -> AsyncIterator[tuple[int, Piece]]:
+    """Every choice's pieces as they come, tagged with the choice index. Closing this iterator
+    cancels the choices, which aborts them in the scheduler."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run(choice: Choice) -> None:
+        rid = uuid.uuid4().hex
+        try:
+            async for piece in generate(
+                state.client, state.tokenizer, state.metrics, rid, choice.prompt_ids, choice.params
+            ):
+                queue.put_nowait((choice.index, piece))
+        except SchedulerDied as exc:
+            queue.put_nowait((choice.index, exc))
+        finally:
+            queue.put_nowait((choice.index, None))
+
+    tasks = [asyncio.create_task(run(c)) for c in choices]
+    open_choices = len(tasks)
+    try:
+        while open_choices:
+            index, item = await queue.get()
+            if item is None:
+                open_choices -= 1
+            elif isinstance(item, SchedulerDied):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: list[Choice], chat: bool) -> Response:
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    model = state.served_model_name
+    prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: req.n])
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        stream = _stream(state, choices, rid, created, model, chat, include_usage, prompt_tokens)
+        return StreamingResponse(stream, media_type="text/event-stream")
+
+    state.enter()
+    texts = [""] * len(choices)
+    reasons: list[str | None] = [None] * len(choices)
+    completion_tokens = cached = 0
+
+    async def collect() -> None:
+        nonlocal completion_tokens, cached
+        async for index, piece in _pieces(state, choices):
+            texts[index] += piece.text
+            completion_tokens += piece.num_tokens
+            cached += piece.cached_tokens
+            if piece.finish_reason is not None:
+                reasons[index] = piece.finish_reason
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():  # a client that goes away aborts its requests at once
+            await asyncio.wait({task}, timeout=0.05)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)
+        task.result()
+    finally:
+        state.leave()
+    if chat:
+        body_choices = [
+            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        ]
+    else:
+        body_choices = [
+            {"index": i, "text": t, "logprobs": None, "finish_reason": r}
+            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+        ]
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model,
+            "choices": body_choices,
+            "usage": usage(prompt_tokens, completion_tokens, cached),
+        }
+    )
+
+
+async def _stream(
+    state: ServerState,
+    choices: list[Choice],
+    rid: str,
+    created: int,
+    model: str,
+    chat: bool,
+    include_usage: bool,
+    prompt_tokens: int,
+) -> AsyncIterator[str]:
+    kind: Literal["chat.completion.chunk", "text_completion"] = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
+        body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choice_list, **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    state.enter()
+    completion_tokens = cached = 0
+    try:
+        if chat:  # the role comes first, once per choice
+            for c in choices:
+                delta = {"role": "assistant", "content": ""}
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+        async for index, piece in _pieces(state, choices):
+            completion_tokens += piece.num_tokens
+            cached += piece.cached_tokens
+            if not piece.text and piece.finish_reason is None:
+                continue
+            if chat:
+                delta = {"content": piece.text} if piece.text else {}
+                item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
+            else:
+                item = {"index": index, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason}
+            yield chunk([item])
+        if include_usage:
+            yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
+        yield "data: [DONE]\n\n"
+    except SchedulerDied as exc:
+        error = {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
+        yield f"data: {json.dumps(error)}\n\n"
+    finally:
+        state.leave()

@@ -1,0 +1,44 @@
+"""Prometheus metrics of the server (the names are part of the API)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # no *_created series, as vLLM does
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_pages_total", "kv_pages_in_use", "kv_pages_cached")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.gauges = {name: Gauge(f"minengine:{name}", name.replace("_", " "), registry=r) for name in GAUGES}
+        self.prompt_tokens = Counter("minengine:prompt_tokens", "prompt tokens received", registry=r)
+        self.generation_tokens = Counter("minengine:generation_tokens", "tokens generated", registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            "minengine:prefix_cache_hit_tokens", "prompt tokens served by the prefix cache", registry=r
+        )
+        self.request_success = Counter(
+            "minengine:request_success", "finished requests", ["finished_reason"], registry=r
+        )
+        self.aborted = Counter("minengine:num_aborted_requests", "aborted requests", registry=r)
+        self.ttft = Histogram(
+            "minengine:time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "minengine:inter_token_latency_seconds", "time between tokens", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "minengine:e2e_request_latency_seconds", "request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        for reason in ("stop", "length"):
+            self.request_success.labels(finished_reason=reason)
+
+    def set_gauges(self, stats: dict[str, int]) -> None:
+        for name, value in stats.items():
+            if name in self.gauges:
+                self.gauges[name].set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

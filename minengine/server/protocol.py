@@ -1,0 +1,50 @@
+"""Messages between the HTTP front end and the scheduler process (pickled over ZMQ)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minengine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams  # stop strings are the front end's: it makes the text
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort everything, report it, exit."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    vocab_size: int
+    context_length: int
+    kv_capacity_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenUpdate:
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" when this ends the request
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (sent with the first update)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    updates: list[TokenUpdate]
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Fatal:
+    message: str

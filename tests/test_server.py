@@ -1,0 +1,394 @@
+"""The OpenAI-compatible server, as a real subprocess on a free port, driven by the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "tiny"
+LONG = {"ignore_eos": True}  # extra_body: generate until max_tokens
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "minengine.serve", "--port", str(port), "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server("--page-size", "4")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
+
+
+def metrics(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("minengine:"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# --- endpoints ---------------------------------------------------------------------------------
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_completion_and_chat(client):
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0, extra_body=LONG)
+    assert out.object == "text_completion" and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5 and out.usage.prompt_tokens == 6  # <bos> + 5 bytes
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, extra_body=LONG
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_equals_non_stream_with_usage(client, chat):
+    kwargs = dict(model=MODEL, max_tokens=12, temperature=0, extra_body=LONG)
+    if chat:
+        create, args = client.chat.completions.create, dict(messages=[{"role": "user", "content": "stream me"}])
+    else:
+        create, args = client.completions.create, dict(prompt="stream me")
+    full = create(**args, **kwargs)
+    chunks = list(create(**args, **kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join((c.choices[0].delta.content or "") if chat else c.choices[0].text for c in chunks if c.choices)
+    expected = full.choices[0].message.content if chat else full.choices[0].text
+    assert text == expected
+    with_reason = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(with_reason) == 1 and with_reason[0] is [c for c in chunks if c.choices][-1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_token_id_and_batched_prompts(client):
+    ids = client.completions.create(model=MODEL, prompt=[72, 105], max_tokens=3, temperature=0, extra_body=LONG)
+    assert ids.usage.prompt_tokens == 2 and len(ids.choices) == 1
+    batch = client.completions.create(model=MODEL, prompt=["a", "bb", "ccc"], max_tokens=2, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    lists = client.completions.create(model=MODEL, prompt=[[72, 105], [72]], max_tokens=2, temperature=0)
+    assert len(lists.choices) == 2 and lists.usage.prompt_tokens == 3
+
+
+def test_n_choices(client):
+    out = client.completions.create(
+        model=MODEL, prompt="n test", n=3, max_tokens=6, temperature=1.0, seed=5, extra_body=LONG
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2] and out.usage.completion_tokens == 18
+    streamed = client.completions.create(
+        model=MODEL, prompt="n test", n=3, max_tokens=6, temperature=1.0, seed=5, extra_body=LONG, stream=True
+    )
+    texts = ["", "", ""]
+    for chunk in streamed:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def test_stop_strings(client):
+    base = client.completions.create(model=MODEL, prompt="stop", max_tokens=12, temperature=0, extra_body=LONG)
+    text = base.choices[0].text
+    stop = text[3:5]
+    out = client.completions.create(model=MODEL, prompt="stop", max_tokens=12, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == text[: text.find(stop)]
+    streamed = client.completions.create(
+        model=MODEL, prompt="stop", max_tokens=12, temperature=0, stop=[stop], stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+
+
+def test_seeds(client):
+    def run(seed):
+        kwargs = dict(model=MODEL, prompt="seeded", max_tokens=10, temperature=1.0, seed=seed, extra_body=LONG)
+        return client.completions.create(**kwargs).choices[0].text
+
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+BAD = [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [5, 999999]}, "prompt"),
+    ({"prompt": [5] * 4000, "max_tokens": 200}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": 5}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
+def test_bad_completion_requests(server, body, param):
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == 400 and error["type"] == "BadRequestError"
+    assert error["message"]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_context_length_error_names_both_numbers(server):
+    r = httpx.post(server + "/v1/completions", json={"prompt": [5] * 4000, "max_tokens": 200})
+    assert re.search(r"4000 tokens.*max_tokens \(200\).*4200.*context length 4096", r.json()["error"]["message"])
+
+
+def test_malformed_json_unknown_model_and_chat_errors(server, client):
+    r = httpx.post(server + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": [], "max_tokens": 3})
+    assert r.status_code == 400
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_p": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices
+
+
+# --- load, aborts, metrics -------------------------------------------------------------------------
+
+
+def test_256_concurrent_streams_deliver_every_token(server):
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, str, int]:
+        body = {"prompt": f"request {i}", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        text, reason, tokens = "", None, 0
+        async with http.stream("POST", server + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["text"]
+                    reason = chunk["choices"][0]["finish_reason"] or reason
+                else:
+                    tokens = chunk["usage"]["completion_tokens"]
+        return tokens, reason, len(text)
+
+    async def all_of_them():
+        limits = httpx.Limits(max_connections=300)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(256)))
+
+    before = metrics(server)["minengine:generation_tokens_total"]
+    results = asyncio.run(all_of_them())
+    assert all(tokens == 8 and reason == "length" for tokens, reason, _ in results)
+    assert metrics(server)["minengine:generation_tokens_total"] - before == 256 * 8
+
+
+def test_disconnects_abort_and_free_kv(server):
+    async def read_a_little_then_leave(http: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": f"long {i}", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        async with http.stream("POST", server + "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break  # closing the stream drops the connection
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            await asyncio.gather(*(read_a_little_then_leave(http, i) for i in range(8)))
+
+    aborted_before = metrics(server).get("minengine:num_aborted_requests_total", 0)
+    asyncio.run(run())
+    assert wait_for(
+        lambda: (m := metrics(server))["minengine:num_requests_running"] == 0 and m["minengine:kv_pages_in_use"] == 0
+    ), metrics(server)
+    assert metrics(server)["minengine:num_aborted_requests_total"] - aborted_before == 8
+    # a non-streaming client that leaves is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            server + "/v1/completions", json={"prompt": "x", "max_tokens": 3000, "ignore_eos": True}, timeout=0.5
+        )
+    assert wait_for(lambda: metrics(server)["minengine:num_requests_running"] == 0)
+    assert metrics(server)["minengine:kv_pages_in_use"] == 0
+
+
+def test_metrics_are_consistent(server, client):
+    m0 = metrics(server)
+    out = client.completions.create(model=MODEL, prompt="metrics!", max_tokens=7, temperature=0, extra_body=LONG)
+    m1 = metrics(server)
+    assert m1["minengine:prompt_tokens_total"] - m0["minengine:prompt_tokens_total"] == out.usage.prompt_tokens
+    assert m1["minengine:generation_tokens_total"] - m0["minengine:generation_tokens_total"] == 7
+    key = 'minengine:request_success_total{finished_reason="length"}'
+    assert m1[key] - m0[key] == 1
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert m1[f"minengine:{name}_count"] > m0.get(f"minengine:{name}_count", 0)
+    for gauge in ("num_requests_waiting", "kv_pages_total", "kv_pages_cached"):
+        assert f"minengine:{gauge}" in m1
+    assert m1["minengine:kv_pages_total"] == 65536 // 4
+    again = client.completions.create(model=MODEL, prompt="metrics!", max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert metrics(server)["minengine:prefix_cache_hit_tokens_total"] > m1["minengine:prefix_cache_hit_tokens_total"]
+
+
+# --- process lifecycle -----------------------------------------------------------------------------
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_sigterm_aborts_in_flight_and_exits_cleanly():
+    proc, url = start_server()
+    kids = children(proc.pid)
+    assert kids
+    reasons = []
+
+    async def stream():
+        body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=30) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    if not reasons:  # the stream is flowing: stop the server under it
+                        proc.send_signal(signal.SIGTERM)
+                    reasons.append(json.loads(line[6:])["choices"][0]["finish_reason"])
+
+    t0 = time.time()
+    asyncio.run(stream())
+    proc.wait(10)
+    assert time.time() - t0 < 10
+    assert reasons[-1] == "abort"
+    assert proc.returncode == 0
+    assert wait_for(lambda: not any(alive(k) for k in kids), 5)
+
+
+def test_shutting_down_answers_503():
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from minengine.models.tiny import tiny_tokenizer
+    from minengine.server.api import ServerState, build_app
+    from minengine.server.metrics import Metrics
+    from minengine.server.protocol import Ready
+
+    client = SimpleNamespace(ready=Ready(260, 4096, 65536), dead=None, shutdown=lambda: None)
+    state = ServerState(client, tiny_tokenizer(), MODEL, Metrics())
+    http = TestClient(build_app(state))
+    assert http.get("/health").status_code == 200
+    asyncio.run(state.begin_shutdown())
+    assert http.get("/health").status_code == 503
+    r = http.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_scheduler_exits_when_front_end_dies():
+    proc, _ = start_server()
+    kids = children(proc.pid)
+    proc.kill()
+    proc.wait()
+    assert wait_for(lambda: not any(alive(k) for k in kids), 10)
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--page-size", "0"], "argument --page-size: page_size is 0; allowed: an integer >= 1"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["--port", "70000"], "argument --port: 70000 is out of range; allowed: 1..65535"),
+        (["--chunked-prefill-size", "abc"], "argument --chunked-prefill-size: invalid int value"),
+        (["--mem-fraction-static", "2"], "argument --mem-fraction-static: mem_fraction_static is 2.0"),
+    ],
+)
+def test_bad_flags_exit_with_one_line(flags, message):
+    r = subprocess.run([sys.executable, "-m", "minengine.serve", *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_help_lists_every_config_field_with_defaults():
+    import dataclasses
+
+    from minengine.config import EngineConfig
+
+    r = subprocess.run([sys.executable, "-m", "minengine.serve", "--help"], capture_output=True, text=True, timeout=60)
+    text = " ".join(r.stdout.split())
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in text
+    assert "(default: 8192)" in text and "(default: 127.0.0.1)" in text and "(default: 30000)" in text
