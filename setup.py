@@ -21,9 +21,13 @@ setup(
         "tokenizers>=0.19",
         "jinja2>=3.1",  # chat templates, rendered as transformers renders them
         "tqdm",
+        "fastapi",
+        "uvicorn",
+        "pyzmq",
+        "prometheus-client",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6", "transformers>=4.51"],
-        "bench": ["nvidia-ml-py"],
+        "test": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "openai>=1.40", "httpx", "matplotlib"],
+        "bench": ["nvidia-ml-py", "httpx", "matplotlib"],
     },
 )

@@ -64,12 +64,20 @@ def header(title: str, report: dict) -> list[str]:
     ]
 
 
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def command(argv: list[str] | None, script: str) -> str:
+    return " ".join(["python", *sys.argv]) if argv is None else f"{script}.main({argv!r})"
+
+
 def report(argv: list[str] | None, script: str, device: torch.device, args, rows: list[dict], **extra) -> dict:
     """The JSON skeleton every benchmark writes: command, date, device info, config, rows."""
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"}
     return {
-        "command": " ".join(["python", *sys.argv]) if argv is None else f"{script}.main({argv!r})",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "command": command(argv, script),
+        "date": now(),
         "info": device_info(device),
         "config": config,
         **extra,

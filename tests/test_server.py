@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -392,3 +393,26 @@ def test_help_lists_every_config_field_with_defaults():
     for f in dataclasses.fields(EngineConfig):
         assert "--" + f.name.replace("_", "-") in text
     assert "(default: 8192)" in text and "(default: 127.0.0.1)" in text and "(default: 30000)" in text
+
+
+@pytest.mark.parametrize("dataset", ["random", "generated-shared-prefix", "multi-turn"])
+def test_bench_serving_smoke(server, dataset, tmp_path):
+    from test_bench_smoke import load_bench
+
+    bench = load_bench("bench_serving")
+    small = [
+        "--num-prompts", "12", "--random-input-len", "40", "--random-output-len", "6", "--random-range-ratio", "0.5",
+        "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "40",
+        "--gsp-question-len", "5", "--gsp-output-len", "6",
+        "--multi-turn-num-conversations", "3", "--multi-turn-num-turns", "3", "--multi-turn-question-len", "5",
+        "--multi-turn-output-len", "6",
+    ]  # fmt: skip
+    argv = ["--base-url", server, "--dataset", dataset, "--tokenizer", "tiny", "--out", str(tmp_path), "--plot"]
+    report = bench.main([*argv, *small, "--no-progress", "--max-concurrency", "4", "--request-rate", "200"])
+    s = report["summary"]
+    assert s["failed"] == 0 and s["completed"] == {"random": 12, "generated-shared-prefix": 6, "multi-turn": 9}[dataset]
+    low = 3 if dataset == "random" else 6  # random: output lengths uniform in [6 * 0.5, 6]
+    assert low * s["completed"] <= s["total_output_tokens"] <= 6 * s["completed"]
+    assert s["ttft"]["median_ms"] > 0 and s["e2e"]["p99_ms"] >= s["e2e"]["median_ms"]
+    assert all(Path(p).stat().st_size > 0 for p in report["plots"])
+    assert (tmp_path / f"serving_{dataset}.json").is_file()

@@ -1,0 +1,54 @@
+"""Incremental detokenization: same text as a full decode; stop strings never leak."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from minengine.detokenizer import IncrementalDetokenizer
+from minengine.models.tiny import tiny_tokenizer
+
+TOK = tiny_tokenizer()
+PIECES = TOK.encode("héllo wörld 東京 🚀 ok", add_special_tokens=False)
+
+
+def random_ids(rng: random.Random) -> list[int]:
+    # real multi-byte characters, lone bytes (invalid UTF-8) and special tokens, in any order
+    return [rng.choice([rng.randrange(260), *PIECES]) for _ in range(rng.randrange(1, 40))]
+
+
+def test_pieces_join_to_the_full_decode():
+    rng = random.Random()
+    for _ in range(300):
+        ids = random_ids(rng)
+        d = IncrementalDetokenizer(TOK)
+        pieces = [d.add([t]) for t in ids] + [d.finish()]
+        assert "".join(pieces) == TOK.decode(ids) == d.text
+
+
+def test_multibyte_character_waits_until_complete():
+    d = IncrementalDetokenizer(TOK)
+    emoji = list("🚀".encode())
+    assert [d.add([b]) for b in emoji[:-1]] == ["", "", ""]
+    assert d.add([emoji[-1]]) == "🚀"
+
+
+@pytest.mark.parametrize("stop", ["lo w", "ö", "🚀 o"])
+def test_stop_string_cuts_and_never_leaks(stop):
+    text = "héllo wörld 東京 🚀 ok"
+    final = text[: text.find(stop)]
+    d = IncrementalDetokenizer(TOK, (stop, "never-there"))
+    out = ""
+    for t in TOK.encode(text, add_special_tokens=False):
+        out += d.add([t])
+        assert final.startswith(out)  # nothing handed out is ever taken back
+    out += d.finish()
+    assert d.stopped and out == final
+
+
+def test_hold_back_is_released_at_finish():
+    d = IncrementalDetokenizer(TOK, ("xyz",))
+    streamed = "".join(d.add([t]) for t in TOK.encode("abcdef", add_special_tokens=False))
+    assert streamed == "abcd"  # the last 2 characters could start "xyz"
+    assert d.finish() == "ef" and not d.stopped
