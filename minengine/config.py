@@ -35,6 +35,7 @@ class EngineConfig:
     mem_fraction_static: float = 0.85
     context_length: int | None = None  # None: the model's max_position_embeddings
     disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -55,8 +56,9 @@ class EngineConfig:
             isinstance(self.mem_fraction_static, (int, float)) and 0 < self.mem_fraction_static < 1
         ):
             raise ValueError(f"mem_fraction_static is {self.mem_fraction_static!r}; allowed: a number in (0, 1)")
-        if not isinstance(self.disable_radix_cache, bool):
-            raise ValueError(f"disable_radix_cache is {self.disable_radix_cache!r}; allowed: True or False")
+        for name in ("disable_radix_cache", "disable_overlap_schedule"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

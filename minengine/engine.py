@@ -13,7 +13,7 @@ from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory import KVPool, PageTable
 from minengine.models import load_model, load_model_config, load_tokenizer
 from minengine.request import Request
-from minengine.runner import ModelRunner
+from minengine.runner import Launched, ModelRunner
 from minengine.sampler import Sampler
 from minengine.sampling_params import SamplingParams
 from minengine.scheduler import Scheduler
@@ -88,7 +88,9 @@ class Engine:
             enable_radix_cache=not config.disable_radix_cache,
         )
         self.sampler = Sampler(self.device, config.seed)
-        self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler)
+        self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
+        self.overlap = not config.disable_overlap_schedule
+        self._in_flight: Launched | None = None  # overlap: the launched step whose tokens are not read yet
         self.eos_token_ids = set(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -147,17 +149,29 @@ class Engine:
         self.scheduler.abort(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        """Schedule, run one forward, sample, update. Returns the requests that sampled a token
-        (``token_ids[-1]``) this step; those that finished with it have ``finished`` set."""
+        """One scheduling pass. Returns the requests that got a token (``token_ids[-1]``) in the
+        step whose results were read in this pass; those that finished have ``finished`` set.
+
+        Overlap on: step N+1 is scheduled and launched before step N's tokens are read, so the
+        device never waits for the host; what N finishes is dropped from N+1 when N+1 is read.
+        Overlap off: launch and read in the same pass."""
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        sampled = self.runner.run(batch)
-        self.scheduler.update(batch, sampled, self._stop_reason)
-        return list(sampled)
+        launched = None
+        if batch:
+            fb, samplers = self.runner.prepare(batch)
+            self.scheduler.advance(batch)
+            launched = self.runner.launch(fb, samplers)
+        if not self.overlap:
+            self._in_flight, launched = launched, None
+        done = self._commit(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = launched
+        return done
+
+    def _commit(self, step: Launched) -> list[Request]:
+        return self.scheduler.commit(step.samplers, self.runner.resolve(step), self._stop_reason)
 
     def stats(self) -> dict[str, int]:
         """Gauges: requests running / waiting, and KV pages total / in use by requests / cached."""

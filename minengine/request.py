@@ -26,7 +26,8 @@ class Request:
     max_len: int  # prompt + max_tokens, capped by the context length
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     status: Status = Status.WAITING
-    num_computed: int = 0  # leading tokens whose KV is in the cache
+    num_computed: int = 0  # leading tokens whose KV is in the cache (or being written by a launched step)
+    num_inflight: int = 0  # tokens sampled by launched steps whose values the host has not read yet
     pages: list[int] = field(default_factory=list)
     cached_pages: int = 0  # leading pages owned by the radix cache (locked through `node`)
     node: Node | None = None
@@ -54,8 +55,15 @@ class Request:
 
     @property
     def num_pending(self) -> int:
-        """Known tokens without KV yet: the rest of the prompt, or the last sampled token."""
-        return len(self.token_ids) - self.num_computed
+        """Tokens without KV yet: the rest of the prompt, or the last sampled token (known or not)."""
+        if self.num_tokens >= self.max_len:
+            return 0  # its last token is sampled: it finishes by length, nothing more to compute
+        return self.num_tokens - self.num_computed
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens, counting those sampled on the device but not read yet."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def prefilling(self) -> bool:

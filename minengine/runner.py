@@ -1,57 +1,109 @@
-"""The model runner: turns a scheduled batch into device tensors, runs one forward, samples."""
+"""The model runner: one forward and sampling per step, launched without waiting for the device.
+
+Decode inputs are the tokens the previous step sampled. They stay on the device in
+``token_buffer`` (the future map, one slot per request) and reach ``input_ids`` through
+``gather_input_ids``; prefill tokens come from the host. All host data of a step (prefill ids,
+positions, slots, block-table rows, lengths) goes to the device at forward entry through pinned
+memory with non-blocking copies. ``launch`` returns at once; ``resolve`` waits for the sampled
+tokens. On CPU the same path simply runs synchronously.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from minengine.memory import KVPool, PageTable
+from minengine.memory.kv_pool import to_device
 from minengine.models import CausalLM, ForwardBatch
 from minengine.ops import KernelSet
 from minengine.request import Request
 from minengine.sampler import Sampler
 
 
+@dataclass
+class Launched:
+    """A step in flight: the requests that sample, and where their tokens will land on the host."""
+
+    samplers: list[Request]
+    tokens: torch.Tensor  # host (pinned on CUDA)
+    done: torch.cuda.Event | None
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, page_table: PageTable, kernels: KernelSet, sampler: Sampler):
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: KVPool,
+        page_table: PageTable,
+        kernels: KernelSet,
+        sampler: Sampler,
+        max_requests: int,
+    ):
         self.model, self.pool, self.page_table = model, pool, page_table
         self.kernels, self.sampler = kernels, sampler
         self.device = pool.kv.device
+        self.token_buffer = torch.zeros(max_requests, dtype=torch.int64, device=self.device)
 
     def prepare(self, batch: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
+        """Device inputs of a batch (prefill chunks first, then decodes), and the requests whose
+        next token it samples. Reads the requests as scheduled, before the step advances them."""
         ps = self.pool.page_size
-        input_ids, positions, slots, seq_lens, cu, rows, logits_rows, samplers = [], [], [], [], [0], [], [], []
+        prefill_ids, decode_slots, positions, slots, seq_lens, cu, rows = [], [], [], [], [], [0], []
+        logits_rows, samplers = [], []
         for req, n in batch:
             start = req.num_computed
-            input_ids += req.token_ids[start : start + n]
+            if req.prefilling:
+                prefill_ids += req.token_ids[start : start + n]
+            else:  # a decode: its input is the last sampled token, maybe still on the device only
+                decode_slots.append(req.slot)
             span = range(start, start + n)
             positions += span
             slots += [req.pages[p // ps] * ps + p % ps for p in span]
             seq_lens.append(start + n)
             cu.append(cu[-1] + n)
             rows.append(req.slot)
-            if start + n == len(req.token_ids):  # all known tokens computed: sample the next
+            if start + n == req.num_tokens:  # every known token computed: sample the next
                 logits_rows.append(cu[-1] - 1)
                 samplers.append(req)
 
-        def dev(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
+        dev = self.device
+        self.page_table.flush()
+        input_ids = self.kernels.gather_input_ids(
+            to_device(prefill_ids, torch.int64, dev), self.token_buffer, to_device(decode_slots, torch.int64, dev)
+        )
         fb = ForwardBatch(
-            input_ids=dev(input_ids, torch.int64),
-            positions=dev(positions, torch.int64),
-            slot_mapping=dev(slots, torch.int64),
-            block_tables=self.page_table.table[dev(rows, torch.int64)],
-            seq_lens=dev(seq_lens, torch.int32),
-            cu_seqlens_q=dev(cu, torch.int32),
+            input_ids=input_ids,
+            positions=to_device(positions, torch.int64, dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            block_tables=self.page_table.table[to_device(rows, torch.int64, dev)],
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            cu_seqlens_q=to_device(cu, torch.int32, dev),
             max_seqlen_q=max(n for _, n in batch),
-            logits_indices=dev(logits_rows, torch.int64),
+            logits_indices=to_device(logits_rows, torch.int64, dev),
         )
         return fb, samplers
 
-    def run(self, batch: list[tuple[Request, int]]) -> dict[Request, int]:
-        """One forward over the whole mixed batch; the sampled token of each request that samples."""
-        fb, samplers = self.prepare(batch)
+    def launch(self, fb: ForwardBatch, samplers: list[Request]) -> Launched:
+        """Run the forward and sampling; sampled tokens go to ``token_buffer`` on the device and
+        are copied to the host without blocking."""
+        sample_slots = [req.slot for req in samplers]
         logits = self.model(fb, self.pool.layers, self.kernels)
-        if not samplers:
-            return {}
-        return dict(zip(samplers, self.sampler(logits, samplers), strict=True))
+        tokens = self.sampler(logits, samplers)
+        if self.device.type != "cuda":
+            self.token_buffer[sample_slots] = tokens
+            return Launched(samplers, tokens, None)
+        self.token_buffer[to_device(sample_slots, torch.int64, self.device)] = tokens
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(samplers, host, done)
+
+    @staticmethod
+    def resolve(step: Launched) -> list[int]:
+        """The step's sampled tokens (waits for the device)."""
+        if step.done is not None:
+            step.done.synchronize()
+        return step.tokens.tolist()

@@ -20,8 +20,9 @@ class Sampler:
     def request_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """One token per row of ``logits`` [S, V] (float32), row i for ``reqs[i]``."""
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """One token per row of ``logits`` [S, V] (float32), row i for ``reqs[i]``, on the device
+        (no host sync)."""
         tokens = logits.argmax(-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:
@@ -32,7 +33,7 @@ class Sampler:
                 if reqs[i].generator is not None:
                     noise[j].exponential_(generator=reqs[i].generator)
             tokens[rows] = (probs / noise).argmax(-1)
-        return tokens.tolist()
+        return tokens
 
 
 def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:

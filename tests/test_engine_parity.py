@@ -65,8 +65,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         dict(page_size=5, chunked_prefill_size=8, max_running_requests=2),
         dict(page_size=5, disable_radix_cache=True, chunked_prefill_size=11),
         dict(page_size=16, long_prefill_token_threshold=6, max_running_requests=3),
+        dict(page_size=5, chunked_prefill_size=8, disable_overlap_schedule=True),
     ],
-    ids=["page16", "page1-chunk3", "page5-chunk8-run2", "page5-noradix", "page16-threshold6"],
+    ids=["page16", "page1-chunk3", "page5-chunk8-run2", "page5-noradix", "page16-threshold6", "no-overlap"],
 )
 def test_greedy_matches_transformers(checkpoint, expected, config, kv_checked_steps):
     prompts, want = expected
@@ -89,9 +90,9 @@ def test_cached_prefix_is_not_recomputed(checkpoint, expected, monkeypatch):
     prompts, want = expected
     llm = LLM(str(checkpoint), page_size=4)
     computed = []
-    real = llm.engine.runner.run
+    real = llm.engine.runner.prepare
     monkeypatch.setattr(
-        llm.engine.runner, "run", lambda batch: computed.append(sum(n for _, n in batch)) or real(batch)
+        llm.engine.runner, "prepare", lambda batch: computed.append(sum(n for _, n in batch)) or real(batch)
     )
     llm.generate(prompts, GREEDY, use_tqdm=False)
     first = sum(computed)

@@ -30,11 +30,17 @@ class KVPool:
 
 
 class PageTable:
-    """Request slot -> its page ids, kept on the device; a batch's ``block_tables`` are rows of it."""
+    """Request slot -> its page ids, kept on the device; a batch's ``block_tables`` are rows of it.
+
+    Writes made while scheduling are only recorded; ``flush()`` applies them at forward entry in
+    one pinned, non-blocking copy, so the scheduling path makes no host-to-device copies."""
 
     def __init__(self, max_requests: int, max_pages_per_request: int, device: torch.device):
         self.table = torch.zeros((max_requests, max_pages_per_request), dtype=torch.int32, device=device)
         self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._rows: list[int] = []
+        self._cols: list[int] = []
+        self._pages: list[int] = []
 
     def acquire(self) -> int:
         return self._free_slots.pop()
@@ -43,5 +49,22 @@ class PageTable:
         self._free_slots.append(slot)
 
     def write(self, slot: int, start: int, pages: list[int]) -> None:
-        if pages:
-            self.table[slot, start : start + len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self._rows += [slot] * len(pages)
+        self._cols += range(start, start + len(pages))
+        self._pages += pages
+
+    def flush(self) -> None:
+        if not self._pages:
+            return
+        device = self.table.device
+        index = to_device([self._rows, self._cols], torch.int64, device)
+        self.table.index_put_((index[0], index[1]), to_device(self._pages, torch.int32, device))
+        self._rows, self._cols, self._pages = [], [], []
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device: through pinned memory and a non-blocking copy on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

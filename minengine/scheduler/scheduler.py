@@ -83,29 +83,37 @@ class Scheduler:
             assert req.rid == rid, "the policy admits in arrival order"
             self._admit(req, *matches[rid])
             by_rid[rid] = req
-        batch = [(by_rid[rid], n) for rid, n in (*plan.running, *plan.admitted)]
+        batch = [(by_rid[rid], n) for rid, n in (*plan.running, *plan.admitted) if n > 0]
         for req, n in batch:
             self._grow(req, req.num_computed + n)
         return sorted(batch, key=lambda entry: not entry[0].prefilling)  # stable: prefills first
 
-    def update(
-        self, batch: list[tuple[Request, int]], sampled: dict[Request, int], stop: Callable[[Request], str | None]
-    ) -> list[Request]:
-        """Advance each request by its scheduled tokens and append what it sampled; ``stop(req)``
-        says whether a request that just sampled is done. Returns the requests that finished."""
-        finished = []
+    def advance(self, batch: list[tuple[Request, int]]) -> None:
+        """At launch: the batch's KV is being written, its sampling requests have a token coming.
+        Completed prompt chunks go to the prefix cache now (later readers run after this step)."""
         for req, n in batch:
             req.num_computed += n
-            token = sampled.get(req)
-            if token is None:  # a chunk of the prompt completed; the prompt goes on
-                if self.cache is not None:
-                    self._cache_prefix(req)
+            if req.num_computed == req.num_tokens:
+                req.num_inflight += 1
+            elif self.cache is not None:  # a chunk of the prompt completed; the prompt goes on
+                self._cache_prefix(req)
+
+    def commit(
+        self, samplers: list[Request], tokens: list[int], stop: Callable[[Request], str | None]
+    ) -> list[Request]:
+        """When a step's tokens reach the host: append them and finish what is done. Requests
+        finished or aborted since the launch are skipped (their tokens are dropped). Returns the
+        requests that got a token."""
+        got = []
+        for req, token in zip(samplers, tokens, strict=True):
+            if req.finished:
                 continue
+            req.num_inflight -= 1
             req.token_ids.append(token)
+            got.append(req)
             if (reason := stop(req)) is not None:
                 self.finish(req, reason)
-                finished.append(req)
-        return finished
+        return got
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -162,8 +170,10 @@ class Scheduler:
     def finish(self, req: Request, reason: str) -> None:
         """Release a running request: its full pages go to the prefix cache (or are freed)."""
         if self.cache is not None:
-            full = req.num_computed // self.page_size
-            already = self.cache.insert(req.token_ids[: req.num_computed], req.pages[:full]) // self.page_size
+            # KV exists (or is being written by a launched step) for every token the host knows
+            computed = min(req.num_computed, len(req.token_ids))
+            full = computed // self.page_size
+            already = self.cache.insert(req.token_ids[:computed], req.pages[:full]) // self.page_size
             self.allocator.free(req.pages[req.cached_pages : already] + req.pages[full:])
             self.cache.unlock(req.node)
         else:

@@ -1,0 +1,78 @@
+"""Overlap scheduling: step N+1 is launched before step N's tokens are read.
+
+Requests that finish, hit a stop token or string, or are aborted in step N must come out of
+N+1 with no extra token and with their KV freed exactly once (the allocator raises on a double
+free); outputs equal those with overlap off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minengine import LLM, SamplingParams
+from minengine.engine import Engine
+
+PROMPTS = ["overlap one", "a second, longer overlap prompt", "3"]
+
+
+def outputs(overlap: bool, params, **config):
+    llm = LLM("tiny", page_size=4, chunked_prefill_size=16, disable_overlap_schedule=not overlap, **config)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    acc = llm.engine.scheduler.accounting()
+    assert acc["held_by_requests"] == 0 and acc["free"] + acc["held_only_by_cache"] == acc["total"]
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+
+def test_overlap_really_runs_ahead(kv_checked_steps):
+    llm = LLM("tiny", page_size=4)
+    eng = llm.engine
+    eng.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.step()
+    assert eng._in_flight is not None  # launched, not read: the host is a step behind
+    while eng.has_unfinished():
+        eng.step()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_same_outputs_with_overlap_on_and_off(temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=3)
+    assert outputs(True, params) == outputs(False, params)
+
+
+def test_stop_token_in_step_n_emits_nothing_after(kv_checked_steps):
+    base = outputs(True, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stop_id = base[1][0][4]
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id])
+    got = outputs(True, params)
+    assert got == outputs(False, params)
+    assert got[1][0] == base[1][0][: base[1][0].index(stop_id) + 1] and got[1][2] == "stop"
+
+
+def test_stop_string_in_step_n_emits_nothing_after():
+    base = outputs(True, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    text = base[0][1]
+    stop = text[2:4]
+    params = SamplingParams(temperature=0, max_tokens=12, stop=[stop])
+    got = outputs(True, params)
+    assert got == outputs(False, params)
+    assert got[0][1] == text[: text.find(stop)] and got[0][2] == "stop"
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_abort_while_next_step_is_in_flight(overlap, kv_checked_steps):
+    llm = LLM("tiny", page_size=4, disable_overlap_schedule=not overlap)
+    eng: Engine = llm.engine
+    keep = eng.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    gone = eng.add_request([9, 8, 7, 6, 5, 4], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert (eng._in_flight is not None) is overlap
+    seen = len(gone.token_ids)
+    eng.abort(gone)  # its next token is being sampled right now (overlap on)
+    assert gone.finished and gone.finish_reason == "abort" and gone.pages == []
+    while eng.has_unfinished():
+        eng.step()
+    assert len(gone.token_ids) == seen  # nothing after the abort
+    assert len(keep.output_ids) == 20
+    acc = eng.scheduler.accounting()
+    assert acc["held_by_requests"] == 0 and acc["free"] + acc["held_only_by_cache"] == acc["total"]
