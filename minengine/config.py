@@ -15,8 +15,15 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 # fields whose values come from a fixed list (the CLI offers them as choices)
-CHOICES = {"device": DEVICES, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "load_format": LOAD_FORMATS}
+CHOICES = {
+    "device": DEVICES,
+    "dtype": DTYPES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "load_format": LOAD_FORMATS,
+    "load_balance_method": LOAD_BALANCE_METHODS,
+}
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,12 @@ class EngineConfig:
     context_length: int | None = None  # None: the model's max_position_embeddings
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    enable_prefill_delayer: bool = False
+    prefill_delayer_max_delay_passes: int = 30
+    prefill_delayer_token_usage_low_watermark: float | None = None  # KV usage in [0, 1]
+    dp_size: int = 1  # data-parallel scheduler workers, each with its own model and KV pool
+    base_gpu_id: int = 0  # worker i uses GPU base_gpu_id + i
+    load_balance_method: str = "round_robin"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,6 +56,15 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("load_format", self.load_format, LOAD_FORMATS)
+        _choice("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
+        _int_at_least("prefill_delayer_max_delay_passes", self.prefill_delayer_max_delay_passes, 1)
+        _int_at_least("dp_size", self.dp_size, 1)
+        _int_at_least("base_gpu_id", self.base_gpu_id, 0)
+        wm = self.prefill_delayer_token_usage_low_watermark
+        if wm is not None and (isinstance(wm, bool) or not isinstance(wm, (int, float)) or not 0 <= wm <= 1):
+            raise ValueError(
+                f"prefill_delayer_token_usage_low_watermark is {wm!r}; allowed: a number in [0, 1] or None"
+            )
         _int_at_least("page_size", self.page_size, 1)
         _int_at_least("max_running_requests", self.max_running_requests, 1)
         _int_at_least("chunked_prefill_size", self.chunked_prefill_size, 1)
@@ -56,7 +78,7 @@ class EngineConfig:
             isinstance(self.mem_fraction_static, (int, float)) and 0 < self.mem_fraction_static < 1
         ):
             raise ValueError(f"mem_fraction_static is {self.mem_fraction_static!r}; allowed: a number in (0, 1)")
-        for name in ("disable_radix_cache", "disable_overlap_schedule"):
+        for name in ("disable_radix_cache", "disable_overlap_schedule", "enable_prefill_delayer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +18,7 @@ from minengine.runner import Launched, ModelRunner
 from minengine.sampler import Sampler
 from minengine.sampling_params import SamplingParams
 from minengine.scheduler import Scheduler
+from minengine.scheduler.prefill_delayer import DelayerConfig, PrefillDelayer
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
@@ -57,9 +59,10 @@ def check_prompt(
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, detokenize: bool = True):
+    def __init__(self, config: EngineConfig, detokenize: bool = True, gather: Callable | None = None):
         """``detokenize=False``: the caller makes the output text and applies stop strings (the
-        server's front end does, so the scheduler process never decodes)."""
+        server's front end does, so the scheduler process never decodes). ``gather``: the
+        prefill delayer's all_gather across data-parallel workers (None: one worker)."""
         self.config = config
         self.detokenize = detokenize
         self.device = resolve_device(config.device)
@@ -78,6 +81,14 @@ class Engine:
         self.num_pages = self._kv_pages(ps)
         pool = KVPool(mc.num_layers, self.num_pages, ps, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         page_table = PageTable(config.max_running_requests, -(-self.context_length // ps), self.device)
+        self.delayer = None
+        if config.enable_prefill_delayer:
+            cfg = DelayerConfig(
+                config.max_running_requests,
+                config.prefill_delayer_max_delay_passes,
+                config.prefill_delayer_token_usage_low_watermark,
+            )
+            self.delayer = PrefillDelayer(cfg, gather)
         self.scheduler = Scheduler(
             self.num_pages,
             ps,
@@ -86,6 +97,7 @@ class Engine:
             config.chunked_prefill_size,
             config.long_prefill_token_threshold,
             enable_radix_cache=not config.disable_radix_cache,
+            delayer=self.delayer,
         )
         self.sampler = Sampler(self.device, config.seed)
         self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
@@ -172,6 +184,13 @@ class Engine:
 
     def _commit(self, step: Launched) -> list[Request]:
         return self.scheduler.commit(step.samplers, self.runner.resolve(step), self._stop_reason)
+
+    def drain_delayer_outcomes(self) -> list:
+        """The prefill delayer's per-pass outcomes since the last call (for metrics)."""
+        if self.delayer is None or not self.delayer.outcomes:
+            return []
+        outcomes, self.delayer.outcomes = self.delayer.outcomes, []
+        return outcomes
 
     def stats(self) -> dict[str, int]:
         """Gauges: requests running / waiting, and KV pages total / in use by requests / cached."""

@@ -66,8 +66,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         dict(page_size=5, disable_radix_cache=True, chunked_prefill_size=11),
         dict(page_size=16, long_prefill_token_threshold=6, max_running_requests=3),
         dict(page_size=5, chunked_prefill_size=8, disable_overlap_schedule=True),
+        dict(page_size=5, max_running_requests=3, enable_prefill_delayer=True, prefill_delayer_max_delay_passes=2),
     ],
-    ids=["page16", "page1-chunk3", "page5-chunk8-run2", "page5-noradix", "page16-threshold6", "no-overlap"],
+    ids=["page16", "page1-chunk3", "page5-chunk8-run2", "page5-noradix", "page16-threshold6", "no-overlap", "delayer"],
 )
 def test_greedy_matches_transformers(checkpoint, expected, config, kv_checked_steps):
     prompts, want = expected

@@ -9,13 +9,15 @@ frees or caches the pages of finished requests.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from collections.abc import Callable
 
 from minengine.memory import PageAllocator, PageTable, RadixCache
 from minengine.request import Request, Status
-from minengine.scheduler.policy import Budget, RunningInfo, WaitingInfo, build_schedule
+from minengine.scheduler.policy import Budget, RunningInfo, Schedule, WaitingInfo, build_schedule
+from minengine.scheduler.prefill_delayer import PrefillDelayer, WorkerInfo
 
 
 class Scheduler:
@@ -28,6 +30,7 @@ class Scheduler:
         chunked_prefill_size: int,
         long_prefill_threshold: int | None,
         enable_radix_cache: bool,
+        delayer: PrefillDelayer | None = None,
     ):
         self.page_size = page_size
         self.page_table = page_table
@@ -36,6 +39,7 @@ class Scheduler:
         self.long_prefill_threshold = long_prefill_threshold
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(page_size, self.allocator.free) if enable_radix_cache else None
+        self.delayer = delayer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -52,7 +56,9 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         """The next batch as (request, new tokens), prefill chunks first, then decodes."""
-        candidates = list(itertools.islice(self.waiting, max(0, self.max_running - len(self.running))))
+        # the delayer also needs the prefill batch a drained decode batch would admit
+        limit = self.max_running if self.delayer is not None else self.max_running - len(self.running)
+        candidates = list(itertools.islice(self.waiting, max(0, limit)))
         matches = {req.rid: self._match(req) for req in candidates}
         running = [
             RunningInfo(r.rid, r.num_pending, r.prefilling, len(r.pages), self.pages_for(r.max_len))
@@ -76,6 +82,8 @@ class Scheduler:
             self.long_prefill_threshold,
         )
         plan = build_schedule(running, waiting, budget)
+        if self.delayer is not None:
+            plan = self._negotiate_prefill(plan, running, waiting, budget)
 
         by_rid = {r.rid: r for r in self.running}
         for rid, _ in plan.admitted:
@@ -116,6 +124,24 @@ class Scheduler:
         return got
 
     # --- helpers -----------------------------------------------------------------------------
+
+    def _negotiate_prefill(
+        self, plan: Schedule, running: list[RunningInfo], waiting: list[WaitingInfo], budget: Budget
+    ) -> Schedule:
+        """One delayer negotiation for this pass (every pass negotiates, prefill or not)."""
+        one_pass = self.delayer.begin_pass()
+        if plan.admitted:
+            # the prefill batch it could admit if the decode batch had drained
+            no_cap = len(running) + len(waiting)
+            unbounded = build_schedule(running, waiting, dataclasses.replace(budget, max_running=no_cap))
+            max_prefill_bs = min(len(unbounded.admitted), self.max_running)
+            watermark = self.delayer.cfg.token_usage_low_watermark
+            acc = self.accounting()
+            low = watermark is not None and acc["held_by_requests"] / acc["total"] < watermark
+            if not one_pass.negotiate(WorkerInfo(True, low, len(self.running), max_prefill_bs)):
+                plan = Schedule(plan.running, ())
+        one_pass.finalize(actual_prefill=bool(plan.admitted))
+        return plan
 
     def _match(self, req: Request):
         if self.cache is None:

@@ -88,6 +88,7 @@ class SchedulerClient:
                 msg = pickle.loads(await self.inbox.recv())
                 if isinstance(msg, StepOutput):
                     self.metrics.set_gauges(msg.stats)
+                    self.metrics.record_delayer(msg.delayer)
                     for update in msg.updates:
                         if (queue := self.queues.get(update.rid)) is not None:
                             queue.put_nowait(update)

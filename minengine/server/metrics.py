@@ -34,6 +34,29 @@ class Metrics:
         )
         for reason in ("stop", "length"):
             self.request_success.labels(finished_reason=reason)
+        self.delayer_outcomes = Counter(
+            "minengine:prefill_delayer_outcomes",
+            "prefill delayer decisions per scheduling pass",
+            ["output_allow", "output_reason", "actual_execution"],
+            registry=r,
+        )
+        self.delayer_wait_passes = Histogram(
+            "minengine:prefill_delayer_wait_forward_passes",
+            "passes a prefill was held",
+            buckets=(0, 1, 2, 3, 5, 8, 12, 20, 30, 50, 100),
+            registry=r,
+        )
+        self.delayer_wait_seconds = Histogram(
+            "minengine:prefill_delayer_wait_seconds", "time a prefill was held", buckets=_LATENCY_BUCKETS, registry=r
+        )
+
+    def record_delayer(self, outcomes) -> None:
+        for o in outcomes:
+            allow, actual = str(o.allow).lower(), str(o.actual_prefill).lower()
+            self.delayer_outcomes.labels(output_allow=allow, output_reason=o.reason, actual_execution=actual).inc()
+            if o.waited_passes is not None:
+                self.delayer_wait_passes.observe(o.waited_passes)
+                self.delayer_wait_seconds.observe(o.waited_seconds)
 
     def set_gauges(self, stats: dict[str, int]) -> None:
         for name, value in stats.items():

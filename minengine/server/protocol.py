@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minengine.sampling_params import SamplingParams
+from minengine.scheduler.prefill_delayer import Outcome
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class TokenUpdate:
 class StepOutput:
     updates: list[TokenUpdate]
     stats: dict[str, int] = field(default_factory=dict)
+    delayer: list[Outcome] = field(default_factory=list)  # prefill-delayer passes since the last output
 
 
 @dataclass(frozen=True)

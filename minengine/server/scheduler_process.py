@@ -91,5 +91,6 @@ def _loop(engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int
                 )
                 if req.finished:
                     del live[rid]
-        if updates:
-            outbox.send_pyobj(StepOutput(updates, engine.stats()))
+        outcomes = engine.drain_delayer_outcomes()
+        if updates or outcomes:
+            outbox.send_pyobj(StepOutput(updates, engine.stats(), outcomes))
