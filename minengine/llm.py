@@ -1,13 +1,21 @@
-"""The offline API: ``LLM(model).generate(prompts, sampling_params)``, as in vLLM."""
+"""The offline API: ``LLM(model).generate(prompts, sampling_params)``, as in vLLM.
+
+With ``dp_size == 1`` the engine runs in this process. With ``dp_size > 1`` the requests go to
+that many scheduler worker processes, exactly as the server sends them (same dispatch, same
+text and stop-string handling), and this process gathers the outputs.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
 from minengine.config import EngineConfig
-from minengine.engine import Engine
+from minengine.engine import Engine, check_prompt
+from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
 
 
@@ -24,8 +32,15 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str = "tiny", **config):
         self.config = EngineConfig.from_kwargs(model=model, **config)
-        self.engine = Engine(self.config)
-        self.tokenizer = self.engine.tokenizer
+        self.engine: Engine | None = None
+        self._workers: _Workers | None = None
+        if self.config.dp_size == 1:
+            self.engine = Engine(self.config)
+            self.tokenizer = self.engine.tokenizer
+        else:
+            self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
+            self._workers = _Workers(self.config, self.tokenizer)
+        self._closed = False
 
     def generate(
         self,
@@ -34,7 +49,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in input order. Every request is checked before any runs."""
-        if self.engine is None:
+        if self._closed:
             raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -49,21 +64,86 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}; expected SamplingParams")
             try:
-                self.engine.check_request(p_ids, p)
+                self._check(p_ids, p)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
 
-        reqs = [self.engine.add_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]
-        with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                bar.update(sum(r.finished for r in self.engine.step()))
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            if self._workers is not None:
+                results = self._workers.generate(ids, params, bar)
+            else:
+                results = self._generate_here(ids, params, bar)
         return [
-            RequestOutput(r.rid, text, r.prompt_ids, r.output_ids, r.text, r.finish_reason)
-            for r, text in zip(reqs, texts, strict=True)
+            RequestOutput(i, text, p_ids, *result)
+            for i, (text, p_ids, result) in enumerate(zip(texts, ids, results, strict=True))
         ]
 
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if self.engine is not None:
+            self.engine.check_request(prompt_ids, params)
+        else:
+            r = self._workers.ready
+            check_prompt(prompt_ids, params, r.vocab_size, r.context_length, r.kv_capacity_tokens)
+
+    def _generate_here(self, ids, params, bar) -> list[tuple[list[int], str, str]]:
+        reqs = [self.engine.add_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]
+        while self.engine.has_unfinished():
+            bar.update(sum(r.finished for r in self.engine.step()))
+        return [(r.output_ids, r.text, r.finish_reason) for r in reqs]
+
     def shutdown(self) -> None:
-        """Free the model and the KV cache (GPU memory included). Safe to call twice."""
+        """Free the model(s) and the KV cache (GPU memory included). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._workers is not None:
+            self._workers.shutdown()
+            self._workers = None
+
+
+class _Workers:
+    """The data-parallel workers behind an offline LLM, driven on a private event loop."""
+
+    def __init__(self, config: EngineConfig, tokenizer):
+        from minengine.server.metrics import Metrics
+        from minengine.server.workers import Workers
+
+        self.tokenizer = tokenizer
+        self.metrics = Metrics()
+        self.loop = asyncio.new_event_loop()
+        self.workers = Workers(config, self.metrics)
+        try:
+            self.ready = self.loop.run_until_complete(self.workers.start())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def generate(self, ids, params, bar) -> list[tuple[list[int], str, str]]:
+        from minengine.server.frontend import generate
+
+        async def one(prompt_ids: list[int], p: SamplingParams) -> tuple[list[int], str, str]:
+            tokens, text, reason = [], "", "abort"
+            pieces = generate(self.workers.client, self.tokenizer, self.metrics, uuid.uuid4().hex, prompt_ids, p)
+            async for piece in pieces:
+                tokens += piece.token_ids
+                text += piece.text
+                reason = piece.finish_reason or reason
+            bar.update(1)
+            return tokens, text, reason
+
+        async def run_all():
+            return await asyncio.gather(*(one(i, p) for i, p in zip(ids, params, strict=True)))
+
+        return self.loop.run_until_complete(run_all())
+
+    def shutdown(self) -> None:
+        async def close() -> None:
+            self.workers.client.shutdown()
+            self.workers.client.close()
+
+        self.loop.run_until_complete(close())
+        self.workers.stop()
+        self.loop.close()

@@ -12,12 +12,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
-import os
-import shutil
 import signal
 import sys
-import tempfile
 
 import uvicorn
 
@@ -104,30 +100,26 @@ class _Server(uvicorn.Server):
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     from minengine.models import load_tokenizer
     from minengine.server.api import ServerState, build_app
-    from minengine.server.frontend import SchedulerClient, SchedulerDied
+    from minengine.server.frontend import SchedulerDied
     from minengine.server.metrics import Metrics
-    from minengine.server.scheduler_process import run_scheduler
+    from minengine.server.workers import Workers
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ipc_dir = tempfile.mkdtemp(prefix="minengine-")
-    requests_addr, outputs_addr = f"ipc://{ipc_dir}/requests", f"ipc://{ipc_dir}/outputs"
     metrics = Metrics()
-    client = SchedulerClient(requests_addr, outputs_addr, metrics)  # binds before the child connects
-    process = multiprocessing.get_context("spawn").Process(
-        target=run_scheduler, args=(config, requests_addr, outputs_addr, os.getpid()), daemon=True, name="scheduler"
-    )
-    process.start()
+    workers = Workers(config, metrics)  # the schedulers load the model while we start up
+    client = workers.client
     tokenizer = load_tokenizer(config.tokenizer or config.model)
     state = ServerState(client, tokenizer, args.served_model_name or config.model, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        ready = await client.start(process.is_alive)
+        ready = await workers.start()
         logger.info(
-            "serving %s on http://%s:%d (context %d, KV capacity %d tokens)",
+            "serving %s on http://%s:%d (%d worker(s), context %d, KV capacity %d tokens each)",
             state.served_model_name,
             args.host,
             args.port,
+            config.dp_size,
             ready.context_length,
             ready.kv_capacity_tokens,
         )
@@ -138,7 +130,6 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
             client.close()
 
     app = build_app(state, lifespan)
-
     server = _Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3),
         state,
@@ -152,13 +143,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         logger.error("%s", exc)
         code = 1
     finally:
-        process.join(5)
-        if process.is_alive():
-            process.terminate()
-            process.join(2)
-        if process.is_alive():
-            process.kill()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        workers.stop()
     return code
 
 

@@ -31,76 +31,108 @@ class SchedulerDied(RuntimeError):
 
 
 class SchedulerClient:
-    def __init__(self, requests_addr: str, outputs_addr: str, metrics: Metrics):
+    """Talks to the data-parallel scheduler workers: one PUSH socket each, one shared PULL.
+
+    Requests go to a worker round-robin or to the least-loaded one (fewest live requests sent
+    from here); aborts go to the worker that owns the request; gauges are summed over workers."""
+
+    def __init__(self, requests_addrs: list[str], outputs_addr: str, metrics: Metrics, method: str = "round_robin"):
         self.ctx = zmq.asyncio.Context()
-        self.outbox = self.ctx.socket(zmq.PUSH)
-        self.outbox.bind(requests_addr)
+        self.outboxes = []
+        for addr in requests_addrs:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.bind(addr)
+            self.outboxes.append(sock)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(outputs_addr)
         self.metrics = metrics
+        self.method = method
         self.queues: dict[str, asyncio.Queue] = {}
+        self.owner: dict[str, int] = {}  # rid -> worker
+        self.load = [0] * len(requests_addrs)  # live requests per worker
+        self.stats: list[dict[str, int]] = [{} for _ in requests_addrs]
         self.ready: Ready | None = None
         self.dead: str | None = None  # why the scheduler is gone
+        self._next = 0
         self._dispatcher: asyncio.Task | None = None
         self._shutdown_sent = False
 
     async def start(self, is_alive, timeout: float = 600.0) -> Ready:
-        """Wait for the scheduler's Ready (the model is loaded), then start routing updates."""
+        """Wait for every worker's Ready (models loaded), then start routing updates."""
         deadline = time.monotonic() + timeout
-        while self.ready is None:
+        ready: dict[int, Ready] = {}
+        while len(ready) < len(self.outboxes):
             if await self.inbox.poll(200):
                 msg = pickle.loads(await self.inbox.recv())
                 if isinstance(msg, Fatal):
-                    raise SchedulerDied(f"the scheduler failed to start:\n{msg.message}")
+                    raise SchedulerDied(f"scheduler {msg.rank} failed to start:\n{msg.message}")
                 if isinstance(msg, Ready):
-                    self.ready = msg
+                    ready[msg.rank] = msg
             elif not is_alive():
-                raise SchedulerDied("the scheduler process exited during start-up")
+                raise SchedulerDied("a scheduler process exited during start-up")
             elif time.monotonic() > deadline:
-                raise SchedulerDied(f"the scheduler was not ready after {timeout:.0f} s")
+                raise SchedulerDied(f"the schedulers were not ready after {timeout:.0f} s")
+        self.ready = ready[0]
         self._dispatcher = asyncio.create_task(self._dispatch(is_alive))
         return self.ready
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         if self.dead:
             raise SchedulerDied(self.dead)
+        if self.method == "least_loaded":
+            worker = min(range(len(self.load)), key=self.load.__getitem__)
+        else:
+            worker, self._next = self._next, (self._next + 1) % len(self.outboxes)
         queue: asyncio.Queue = asyncio.Queue()
-        self.queues[rid] = queue
-        self.outbox.send(pickle.dumps(AddRequest(rid, prompt_ids, params)))
+        self.queues[rid], self.owner[rid] = queue, worker
+        self.load[worker] += 1
+        self.outboxes[worker].send(pickle.dumps(AddRequest(rid, prompt_ids, params)))
         return queue
 
     def abort(self, rid: str) -> None:
-        if self.queues.pop(rid, None) is not None and not self.dead:
-            self.outbox.send(pickle.dumps(AbortRequest(rid)))
+        if self.queues.pop(rid, None) is not None:
+            worker = self._forget(rid)
+            if not self.dead:
+                self.outboxes[worker].send(pickle.dumps(AbortRequest(rid)))
 
     def release(self, rid: str) -> None:
-        self.queues.pop(rid, None)
+        if self.queues.pop(rid, None) is not None:
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> int:
+        worker = self.owner.pop(rid)
+        self.load[worker] -= 1
+        return worker
 
     def shutdown(self) -> None:
-        """Ask the scheduler to abort everything and exit; the aborts come back as updates."""
+        """Ask every worker to abort everything and exit; the aborts come back as updates."""
         if not self.dead and not self._shutdown_sent:
             self._shutdown_sent = True
-            self.outbox.send(pickle.dumps(Shutdown()))
+            for sock in self.outboxes:
+                sock.send(pickle.dumps(Shutdown()))
 
     async def _dispatch(self, is_alive) -> None:
         while True:
             if await self.inbox.poll(500):
                 msg = pickle.loads(await self.inbox.recv())
                 if isinstance(msg, StepOutput):
-                    self.metrics.set_gauges(msg.stats)
+                    self.stats[msg.rank] = msg.stats
+                    self.metrics.set_gauges({k: sum(s.get(k, 0) for s in self.stats) for k in msg.stats})
                     self.metrics.record_delayer(msg.delayer)
                     for update in msg.updates:
                         if (queue := self.queues.get(update.rid)) is not None:
                             queue.put_nowait(update)
                     continue
                 if isinstance(msg, Fatal):
-                    self._fail(f"the scheduler failed:\n{msg.message}")
+                    self._fail(f"scheduler {msg.rank} failed:\n{msg.message}")
                     return
             elif not is_alive():
-                self._fail("the scheduler process exited")
+                self._fail("a scheduler process exited")
                 return
 
     def _fail(self, why: str) -> None:
+        if self._shutdown_sent:
+            return  # workers leaving during shutdown is expected
         logger.error(why)
         self.dead = why
         for queue in self.queues.values():
@@ -110,7 +142,8 @@ class SchedulerClient:
     def close(self) -> None:
         if self._dispatcher is not None:
             self._dispatcher.cancel()
-        self.outbox.close(linger=500)  # let a last Shutdown reach the scheduler
+        for sock in self.outboxes:
+            sock.close(linger=500)  # let a last Shutdown reach the workers
         self.inbox.close(linger=0)
         self.ctx.term()
 
@@ -118,9 +151,13 @@ class SchedulerClient:
 @dataclass
 class Piece:
     text: str
-    num_tokens: int  # new tokens in this piece
+    token_ids: list[int]  # new tokens in this piece
     finish_reason: str | None = None
     cached_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 async def generate(
@@ -162,7 +199,7 @@ async def generate(
                 reason = "stop"
             if reason is None:
                 if text or n:
-                    yield Piece(text, n, cached_tokens=update.cached_tokens)
+                    yield Piece(text, update.new_token_ids, cached_tokens=update.cached_tokens)
                 continue
             finished = True
             text += detok.finish()
@@ -171,7 +208,7 @@ async def generate(
             else:
                 metrics.request_success.labels(finished_reason=reason).inc()
                 metrics.e2e.observe(now - arrival)
-            yield Piece(text, n, reason, update.cached_tokens)
+            yield Piece(text, update.new_token_ids, reason, update.cached_tokens)
             return
     finally:
         if not finished:

@@ -30,6 +30,7 @@ class Ready:
     vocab_size: int
     context_length: int
     kv_capacity_tokens: int
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class TokenUpdate:
 
 @dataclass(frozen=True)
 class StepOutput:
+    rank: int  # the data-parallel worker it comes from
     updates: list[TokenUpdate]
     stats: dict[str, int] = field(default_factory=dict)
     delayer: list[Outcome] = field(default_factory=list)  # prefill-delayer passes since the last output
@@ -50,3 +52,4 @@ class StepOutput:
 @dataclass(frozen=True)
 class Fatal:
     message: str
+    rank: int = 0
