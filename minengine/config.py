@@ -43,6 +43,8 @@ class EngineConfig:
     context_length: int | None = None  # None: the model's max_position_embeddings
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256  # largest decode batch replayed from a graph (capped at max_running_requests)
     enable_prefill_delayer: bool = False
     prefill_delayer_max_delay_passes: int = 30
     prefill_delayer_token_usage_low_watermark: float | None = None  # KV usage in [0, 1]
@@ -59,6 +61,7 @@ class EngineConfig:
         _choice("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
         _int_at_least("prefill_delayer_max_delay_passes", self.prefill_delayer_max_delay_passes, 1)
         _int_at_least("dp_size", self.dp_size, 1)
+        _int_at_least("cuda_graph_max_bs", self.cuda_graph_max_bs, 1)
         _int_at_least("base_gpu_id", self.base_gpu_id, 0)
         wm = self.prefill_delayer_token_usage_low_watermark
         if wm is not None and (isinstance(wm, bool) or not isinstance(wm, (int, float)) or not 0 <= wm <= 1):
@@ -78,7 +81,7 @@ class EngineConfig:
             isinstance(self.mem_fraction_static, (int, float)) and 0 < self.mem_fraction_static < 1
         ):
             raise ValueError(f"mem_fraction_static is {self.mem_fraction_static!r}; allowed: a number in (0, 1)")
-        for name in ("disable_radix_cache", "disable_overlap_schedule", "enable_prefill_delayer"):
+        for name in ("disable_radix_cache", "disable_overlap_schedule", "disable_cuda_graph", "enable_prefill_delayer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
 

@@ -10,6 +10,7 @@ import torch
 
 from minengine import ops
 from minengine.config import EngineConfig
+from minengine.cuda_graph import DecodeGraphs
 from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory import KVPool, PageTable
 from minengine.models import load_model, load_model_config, load_tokenizer
@@ -101,6 +102,9 @@ class Engine:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
+        if self.device.type == "cuda" and not config.disable_cuda_graph:
+            max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+            self.runner.graphs = DecodeGraphs(self.model, pool, kernels, max_bs, page_table.table.shape[1], True)
         self.overlap = not config.disable_overlap_schedule
         self._in_flight: Launched | None = None  # overlap: the launched step whose tokens are not read yet
         self.eos_token_ids = set(mc.eos_token_ids) | (

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minengine.cuda_graph import DecodeGraphs
 from minengine.memory import KVPool, PageTable
 from minengine.memory.kv_pool import to_device
 from minengine.models import CausalLM, ForwardBatch
@@ -45,6 +46,7 @@ class ModelRunner:
         self.kernels, self.sampler = kernels, sampler
         self.device = pool.kv.device
         self.token_buffer = torch.zeros(max_requests, dtype=torch.int64, device=self.device)
+        self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
 
     def prepare(self, batch: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
         """Device inputs of a batch (prefill chunks first, then decodes), and the requests whose
@@ -89,7 +91,12 @@ class ModelRunner:
         """Run the forward and sampling; sampled tokens go to ``token_buffer`` on the device and
         are copied to the host without blocking."""
         sample_slots = [req.slot for req in samplers]
-        logits = self.model(fb, self.pool.layers, self.kernels)
+        num_tokens = fb.input_ids.shape[0]
+        graphable = fb.max_seqlen_q == 1 and len(samplers) == num_tokens  # decode-only, every row samples
+        if self.graphs is not None and graphable and self.graphs.bucket(num_tokens) is not None:
+            logits = self.graphs.run(fb)
+        else:
+            logits = self.model(fb, self.pool.layers, self.kernels)
         tokens = self.sampler(logits, samplers)
         if self.device.type != "cuda":
             self.token_buffer[sample_slots] = tokens
