@@ -59,3 +59,12 @@ def test_bench_offline_smoke(tmp_path):
     prompts, out_lens = bench.workload(256, 100, 1024, 1000, seed=0)
     assert len(prompts) == 256 and all(100 <= len(p) <= 1024 for p in prompts)
     assert all(100 <= n <= 1024 for n in out_lens)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_decode_smoke(tmp_path):
+    bench = load_bench("bench_decode")
+    report = bench.main(["--smoke", "--out", str(tmp_path)])
+    assert [(r["batch"], r["context"]) for r in report["rows"]] == [(1, 16), (3, 16)]
+    assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in report["rows"])
+    assert (tmp_path / "decode_smoke.md").is_file()

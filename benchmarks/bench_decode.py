@@ -1,0 +1,175 @@
+"""Decode step time against the roofline, and GPU idle time between steps (overlap on vs off).
+
+For a Llama-3-8B-shaped model with random bf16 weights, at batch 1, 16, 64, 256 and context 1k
+and 4k: fill the batch (prompts of that length), then time steady-state decode steps.
+
+    roofline = (weight bytes + KV bytes read per step) / measured copy bandwidth
+
+Target: step time <= 1.25 x roofline at batch >= 16. Idle time: a torch-profiler trace of
+decode steps; idle = 1 - (union of GPU kernel intervals) / (trace window), with overlap
+scheduling on and off. Target: < 5 % idle with overlap on. Writes JSON + markdown.
+
+    python benchmarks/bench_decode.py
+    python benchmarks/bench_decode.py --smoke --out /tmp/bench   # tiny shapes on CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import RESULTS, header, save, stem
+from _common import report as make_report
+from bench_offline import model_dir
+
+
+def build(args, tmp: Path, batch: int, context: int, overlap: bool):
+    from minengine import LLM
+
+    path, dummy = model_dir(args.model, tmp)
+    config = dict(
+        load_format="dummy" if dummy else "auto",
+        max_running_requests=max(batch, 1),
+        context_length=context + args.steps + 64,
+        disable_overlap_schedule=not overlap,
+        cuda_graph_max_bs=max(batch, 1),
+    )
+    if args.smoke:
+        config["max_total_tokens"] = batch * (context + args.steps + 64)
+    return LLM(path, **config), json.loads((Path(path) / "config.json").read_text())
+
+
+def fill(llm, batch: int, context: int, steps: int, vocab: int) -> None:
+    """Admit ``batch`` requests of ``context`` tokens and run until all of them decode."""
+    from minengine import SamplingParams
+
+    rng = random.Random(0)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps * 4 + 16, ignore_eos=True)
+    reqs = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
+    while any(r.prefilling or r.num_inflight == 0 and not r.output_ids for r in reqs):
+        eng.step()
+    for _ in range(3):  # reach the steady decode state
+        eng.step()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(llm, steps: int) -> float:
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
+def idle_fraction(llm, steps: int) -> float | None:
+    """1 - busy/window from a profiler trace of ``steps`` decode steps (CUDA only)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+        sync()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not spans:
+        return None
+    busy, cur_start, cur_end = 0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    busy += cur_end - cur_start
+    return 1 - busy / (spans[-1][1] - spans[0][0])
+
+
+def roofline_seconds(cfg: dict, batch: int, context: int, copy_gbps: float, weight_bytes: int) -> float:
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv = batch * context * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+    return (weight_bytes + kv) / (copy_gbps * 1e9)
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        *header("bench_decode", report),
+        f"- copy bandwidth {report['copy_gbps']:.0f} GB/s (read + write); model {report['config']['model']}",
+        "",
+        "| batch | context | step ms | roofline ms | x roofline | idle, overlap on | idle, overlap off |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1%}"
+
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['roofline_ms']:.3f} | "
+            f"{r['step_ms'] / r['roofline_ms']:.2f} | {pct(r['idle_overlap'])} | {pct(r['idle_no_overlap'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3-8b", help="a shape name from bench_offline or a checkpoint dir")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
+    parser.add_argument("--smoke", action="store_true", help="tiny model and sizes on CPU")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.batches, args.contexts, args.steps = "smoke", [1, 3], [16], 4
+    elif not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (or --smoke for a tiny CPU run)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    from bench_attention import measure_ceilings, timer
+
+    copy_gbps = measure_ceilings(device, timer(device), args.smoke)["copy_gbps"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for context in args.contexts:
+            for batch in args.batches:
+                row = {"batch": batch, "context": context}
+                for overlap in (True, False):
+                    sub = Path(tmp) / f"{batch}-{context}-{overlap}"
+                    sub.mkdir()
+                    llm, cfg = build(args, sub, batch, context, overlap)
+                    fill(llm, batch, context, args.steps, cfg["vocab_size"])
+                    if overlap:
+                        row["step_ms"] = time_steps(llm, args.steps) * 1e3
+                        weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+                        row["roofline_ms"] = roofline_seconds(cfg, batch, context, copy_gbps, weights) * 1e3
+                    row["idle_overlap" if overlap else "idle_no_overlap"] = idle_fraction(llm, args.steps)
+                    llm.shutdown()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    report = make_report(argv, "bench_decode", device, args, rows, copy_gbps=copy_gbps)
+    save(args.out, stem("decode", report), report, markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
