@@ -43,6 +43,9 @@ def kv_checked_steps(monkeypatch):
         done = real_step(self)
         acc = self.scheduler.accounting()
         assert acc["free"] + acc["held_by_requests"] + acc["held_only_by_cache"] == acc["total"], acc
+        sched = self.scheduler
+        shared = {p for r in sched.running for p in r.pages[: r.cached_pages]}
+        assert len(shared) == (sched.cache.protected_pages if sched.cache else 0)  # what accounting() relies on
         steps.append(acc | {"waiting": len(self.scheduler.waiting)})
         return done
 
