@@ -1,11 +1,101 @@
 """Build and install minengine and triton_kernels.
 
 ``pip install -e .`` installs both packages; ``pip install -e ".[test]"`` adds the test tools.
-The CUDA C++ kernels in csrc/ (built into ``minengine._C`` with nvcc) arrive with their own
-issue; until then the package is pure Python.
+
+The CUDA C++ kernels in csrc/ are built into ``minengine._C`` with nvcc through ninja:
+- ``MINENGINE_BUILD_CUDA=1``: required (fails loudly without nvcc); ``=0``: skipped; unset: built
+  when nvcc is found (``$CUDA_HOME/bin/nvcc``, ``/usr/local/cuda/bin/nvcc`` or on ``PATH``).
+- ``MINENGINE_CUDA_ARCHS``: target architectures, default ``8.0;9.0a`` (``9.0a`` enables Hopper's
+  wgmma / TMA instructions).
+The extension links the CUDA runtime statically and takes raw pointers (pybind11, no torch C++
+ABI), so one build works across torch versions; the package imports and runs without it.
 """
 
-from setuptools import find_packages, setup
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+
+
+def find_cuda_home() -> Path | None:
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for c in candidates:
+        if c and (Path(c) / "bin" / "nvcc").exists():
+            return Path(c)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        home = Path(os.path.realpath(nvcc)).parent.parent
+        if (home / "include" / "cuda_runtime.h").exists():
+            return home
+    return None
+
+
+def gencode_flags(archs: str) -> list[str]:
+    flags = []
+    for arch in filter(None, (a.strip() for a in archs.split(";"))):
+        num = arch.replace(".", "")
+        flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
+    return flags
+
+
+def want_cuda() -> Path | None:
+    mode = os.environ.get("MINENGINE_BUILD_CUDA", "").strip()
+    if mode == "0":
+        return None
+    home = find_cuda_home()
+    if home is None and mode == "1":
+        sys.exit("MINENGINE_BUILD_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    return home
+
+
+class NinjaCudaBuild(build_ext):
+    """Writes a build.ninja for csrc/ and runs it: nvcc for .cu, the C++ compiler for bindings."""
+
+    def build_extension(self, ext: Extension) -> None:
+        import pybind11
+
+        cuda = want_cuda()
+        build = Path(self.build_temp) / "csrc"
+        build.mkdir(parents=True, exist_ok=True)
+        target = Path(self.get_ext_fullpath(ext.name)).resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        archs = os.environ.get("MINENGINE_CUDA_ARCHS", "8.0;9.0a")
+        includes = f"-I{CSRC} -I{pybind11.get_include()} -I{sysconfig.get_paths()['include']} -I{cuda / 'include'}"
+        cxx = os.environ.get("CXX", "c++")
+        objs = []
+        lines = [
+            f"nvcc = {cuda / 'bin' / 'nvcc'}",
+            f"cuflags = -std=c++17 -O3 -Xcompiler -fPIC {' '.join(gencode_flags(archs))} {includes}",
+            f"cxxflags = -std=c++17 -O2 -fPIC -fvisibility=hidden {includes}",
+            f"ldflags = -shared -L{cuda / 'lib64'} -lcudart_static -ldl -lrt -lpthread",
+            "rule nvcc",
+            "  command = $nvcc $cuflags -c $in -o $out",
+            "rule cxx",
+            f"  command = {cxx} $cxxflags -c $in -o $out",
+            "rule link",
+            f"  command = {cxx} $in $ldflags -o $out",
+        ]
+        for src in sorted(CSRC.glob("*.cu")) + sorted(CSRC.glob("*.cpp")):
+            obj = build / (src.name + ".o")
+            objs.append(str(obj))
+            lines.append(f"build {obj}: {'nvcc' if src.suffix == '.cu' else 'cxx'} {src}")
+        lines.append(f"build {target}: link {' '.join(objs)}")
+        (build / "build.ninja").write_text("\n".join(lines) + "\n")
+        ninja = shutil.which("ninja") or "ninja"
+        subprocess.run([ninja, "-C", str(build)], check=True)
+
+
+ext_modules = [Extension("minengine._C", sources=[])] if want_cuda() is not None else []
 
 setup(
     name="minengine",
@@ -13,6 +103,8 @@ setup(
     description="Hand-written paged-attention kernels with a minimal LLM serving engine on top",
     python_requires=">=3.10",
     packages=find_packages(include=["minengine", "minengine.*", "triton_kernels", "triton_kernels.*"]),
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": NinjaCudaBuild},
     install_requires=[
         "torch>=2.11",
         "triton>=3.6",

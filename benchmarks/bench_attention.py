@@ -21,6 +21,7 @@ Writes JSON + a markdown table (device, clocks, versions, command) to benchmarks
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -108,6 +109,7 @@ def measure_ceilings(device: torch.device, bench: Callable, smoke: bool) -> dict
 
 def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict) -> dict:
     import triton_kernels
+    from minengine.ops import cuda as cuda_backend
     from minengine.ops import flashinfer_ref, reference
     from minengine.ops.testing import make_paged_batch, relative_error
 
@@ -129,6 +131,10 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
             fi = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6])
             row["flashinfer_ms"] = bench(fi.run)
             row["rel_err_vs_flashinfer"] = relative_error(ours(), fi.run())
+        if cuda_backend.available():
+            theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
+            row["cuda_ms"] = bench(theirs)
+            row["cuda_rel_err_vs_fp64"] = relative_error(theirs(), ref)
     else:
         first = make(case.q_lens[: case.split_at], case.seq_lens[: case.split_at])
         second = make(case.q_lens[case.split_at :], case.seq_lens[case.split_at :])
@@ -146,10 +152,105 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
     row["kv_bw_frac"] = row["kv_gbps"] / ceilings["copy_gbps"]
     row["tflops"] = flops / seconds / 1e12
     row["tflops_frac"] = row["tflops"] / ceilings["matmul_tflops"]
-    for other in ("torch", "flashinfer"):
+    for other in ("torch", "flashinfer", "cuda"):
         if f"{other}_ms" in row:
             row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["ms"]
     return row
+
+
+GRID_SHAPES = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "d64": (32, 8, 64), "d256": (16, 4, 256)}
+GRID_KINDS = {  # name: (q_lens, seq_lens)
+    "decode": ((1,) * 128, (2048,) * 128),
+    "prefill": ((2048,), (2048,)),
+    "mixed": ((1024,) + (1,) * 63, (5120,) + (4096,) * 63),
+    "long-decode": ((1,) * 4, (32768,) * 4),
+}
+
+
+def sdpa_on_gathered(batch):
+    """torch SDPA per sequence on K/V gathered out of the pages (a common baseline)."""
+    import torch.nn.functional as F
+
+    def run() -> None:
+        cu = batch.cu_seqlens_q.tolist()
+        ps = batch.k_cache.shape[1]
+        group = batch.q.shape[1] // batch.k_cache.shape[2]
+        for b, seq_len in enumerate(batch.seq_lens_host):
+            pages = batch.block_tables[b, : -(-seq_len // ps)].long()
+            k = batch.k_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).repeat_interleave(group, 0)
+            v = batch.v_cache[pages].flatten(0, 1)[:seq_len].transpose(0, 1).repeat_interleave(group, 0)
+            q = batch.q[cu[b] : cu[b + 1]].transpose(0, 1)
+            n = q.shape[1]
+            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - n)
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return run
+
+
+def run_grid(args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict) -> list[dict]:
+    """Every backend on shapes x head dims x page sizes x dtypes x batch kinds."""
+    import triton_kernels
+    from minengine.ops import cuda as cuda_backend
+    from minengine.ops import flashinfer_ref
+    from minengine.ops.testing import make_paged_batch
+
+    scale = 64 if args.smoke else 1
+    shapes = dict(list(GRID_SHAPES.items())[:1]) if args.smoke else GRID_SHAPES  # smoke: interpreter-sized
+    dtypes = (torch.bfloat16,) if args.smoke else (torch.bfloat16, torch.float16)
+    rows = []
+    for shape_name, (hq, hkv, d) in shapes.items():
+        if args.smoke:
+            hq, hkv = 4, 2
+        for page in (1, 16, 64):
+            for dtype in dtypes:
+                for kind, (q_lens, kv_lens) in GRID_KINDS.items():
+                    q_lens = tuple(max(1, q // scale) for q in q_lens[: 4 if args.smoke else None])
+                    kv_lens = tuple(max(q, kv // scale) for q, kv in zip(q_lens, kv_lens, strict=False))
+                    batch = make_paged_batch(
+                        list(q_lens), list(kv_lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                        page_size=page, dtype=dtype, device=device, poison=False,
+                    )  # fmt: skip
+                    out = torch.empty_like(batch.q)
+                    times = {"triton": bench(lambda b=batch, o=out: triton_kernels.paged_attention(*b.args(), out=o))}
+                    if cuda_backend.available():
+                        times["cuda"] = bench(lambda b=batch, o=out: cuda_backend.paged_attention(*b.args(), out=o))
+                    if flashinfer_ref.available() and page in (16, 64):
+                        with contextlib.suppress(Exception):  # a shape FlashInfer does not take is a skip
+                            times["flashinfer"] = bench(flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run)
+                    if not args.no_torch and device.type == "cuda":
+                        times["torch_sdpa"] = bench(sdpa_on_gathered(batch))
+                    nbytes = kv_bytes(kv_lens, hkv, d, 2)
+                    flops = attention_flops(q_lens, kv_lens, hq, d)
+                    for backend, ms in times.items():
+                        row = dict(shape=shape_name, page=page, dtype=str(dtype).split(".")[-1], kind=kind)
+                        row |= dict(
+                            backend=backend, ms=ms, kv_bw_frac=nbytes / (ms / 1e3) / 1e9 / ceilings["copy_gbps"]
+                        )
+                        row["tflops_frac"] = flops / (ms / 1e3) / 1e12 / ceilings["matmul_tflops"]
+                        if "flashinfer" in times:
+                            row["flashinfer_over_this"] = times["flashinfer"] / ms
+                        rows.append(row)
+    return rows
+
+
+def plot_grid(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(GRID_KINDS)
+    backends = sorted({r["backend"] for r in rows})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.5))
+    for ax, kind in zip(axes, kinds, strict=True):
+        sel = [r for r in rows if r["kind"] == kind and r["shape"] == "llama3-8b" and r["page"] == 16]
+        metric = "kv_bw_frac" if "decode" in kind else "tflops_frac"
+        vals = [max((r[metric] for r in sel if r["backend"] == b), default=0) for b in backends]
+        ax.bar(backends, vals)
+        ax.set(title=f"{kind} (32/8/128, page 16)", ylabel="fraction of " + ("copy BW" if "decode" in kind else "peak"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def markdown(report: dict) -> str:
@@ -174,6 +275,15 @@ def markdown(report: dict) -> str:
             f"{fmt(r, 'speedup_vs_flashinfer', '.2f')} | {fmt(r, 'rel_err_vs_fp64', '.1e')} |"
         )
     lines += ["", "Targets:"] + [f"- {t}" for t in report["targets"]]
+    if report.get("grid"):
+        lines += ["", "| shape | page | dtype | kind | backend | ms | of copy BW | of peak | FlashInfer/this |"]
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for r in report["grid"]:
+            fi = f"{r['flashinfer_over_this']:.2f}" if "flashinfer_over_this" in r else "-"
+            lines.append(
+                f"| {r['shape']} | {r['page']} | {r['dtype']} | {r['kind']} | {r['backend']} | {r['ms']:.4f} "
+                f"| {r['kv_bw_frac']:.0%} | {r['tflops_frac']:.0%} | {fi} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -198,6 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--suite", choices=["core", "full"], default="core", help="full: the backend x shape grid too")
     args = parser.parse_args(argv)
 
     if args.smoke and not torch.cuda.is_available():
@@ -218,7 +329,11 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(run_case(case, args, device, bench, ceilings))
         print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
     targets = check_targets(rows) if set("abcde") <= set(args.cases) else []
-    report = make_report(argv, "bench_attention", device, args, rows, ceilings=ceilings, targets=targets)
+    grid = run_grid(args, device, bench, ceilings) if args.suite == "full" else []
+    report = make_report(argv, "bench_attention", device, args, rows, ceilings=ceilings, targets=targets, grid=grid)
+    if grid:
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot_grid(grid, args.out / f"{stem('attention', report)}_grid.png")
     save(args.out, stem("attention", report), report, markdown(report))
     print(markdown(report))
     return report

@@ -13,7 +13,7 @@ from typing import Any
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 # fields whose values come from a fixed list (the CLI offers them as choices)

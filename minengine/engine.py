@@ -14,6 +14,7 @@ from minengine.cuda_graph import DecodeGraphs
 from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory import KVPool, PageTable
 from minengine.models import load_model, load_model_config, load_tokenizer
+from minengine.profiling import step_range
 from minengine.request import Request
 from minengine.runner import Launched, ModelRunner
 from minengine.sampler import Sampler
@@ -174,15 +175,18 @@ class Engine:
         Overlap on: step N+1 is scheduled and launched before step N's tokens are read, so the
         device never waits for the host; what N finishes is dropped from N+1 when N+1 is read.
         Overlap off: launch and read in the same pass."""
-        batch = self.scheduler.schedule()
+        with step_range("schedule"):
+            batch = self.scheduler.schedule()
         launched = None
         if batch:
-            fb, samplers = self.runner.prepare(batch)
+            with step_range("h2d"):
+                fb, samplers = self.runner.prepare(batch)
             self.scheduler.advance(batch)
             launched = self.runner.launch(fb, samplers)
         if not self.overlap:
             self._in_flight, launched = launched, None
-        done = self._commit(self._in_flight) if self._in_flight is not None else []
+        with step_range("process_results"):
+            done = self._commit(self._in_flight) if self._in_flight is not None else []
         self._in_flight = launched
         return done
 

@@ -19,6 +19,7 @@ from minengine.memory import KVPool, PageTable
 from minengine.memory.kv_pool import to_device
 from minengine.models import CausalLM, ForwardBatch
 from minengine.ops import KernelSet
+from minengine.profiling import step_range
 from minengine.request import Request
 from minengine.sampler import Sampler
 
@@ -93,11 +94,13 @@ class ModelRunner:
         sample_slots = [req.slot for req in samplers]
         num_tokens = fb.input_ids.shape[0]
         graphable = fb.max_seqlen_q == 1 and len(samplers) == num_tokens  # decode-only, every row samples
-        if self.graphs is not None and graphable and self.graphs.bucket(num_tokens) is not None:
-            logits = self.graphs.run(fb)
-        else:
-            logits = self.model(fb, self.pool.layers, self.kernels)
-        tokens = self.sampler(logits, samplers)
+        with step_range("forward"):
+            if self.graphs is not None and graphable and self.graphs.bucket(num_tokens) is not None:
+                logits = self.graphs.run(fb)
+            else:
+                logits = self.model(fb, self.pool.layers, self.kernels)
+        with step_range("sampling"):
+            tokens = self.sampler(logits, samplers)
         if self.device.type != "cuda":
             self.token_buffer[sample_slots] = tokens
             return Launched(samplers, tokens, None)

@@ -51,3 +51,20 @@ def kv_checked_steps(monkeypatch):
 
     monkeypatch.setattr(Engine, "step", step)
     return steps
+
+
+# The contract tests run against every kernel backend: the same parametrization for all.
+KERNEL_BACKENDS = [pytest.param("triton", id="triton"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=KERNEL_BACKENDS)
+def kernels(request):
+    """The backend's KernelSet (paged_attention, store_kv, gather_input_ids)."""
+    from minengine import ops
+
+    if request.param == "cuda":
+        from minengine.ops import cuda
+
+        if not cuda.available():
+            pytest.skip("the cuda backend needs minengine._C (built with nvcc) and a CUDA GPU")
+    return ops.get_kernels(request.param, "cuda" if HAS_CUDA else "cpu")

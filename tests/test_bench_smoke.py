@@ -68,3 +68,13 @@ def test_bench_decode_smoke(tmp_path):
     assert [(r["batch"], r["context"]) for r in report["rows"]] == [(1, 16), (3, 16)]
     assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in report["rows"])
     assert (tmp_path / "decode_smoke.md").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_full_grid_smoke(tmp_path):
+    bench = load_bench()
+    report = bench.main(["--smoke", "--suite", "full", "--cases", "a", "--out", str(tmp_path)])
+    grid = report["grid"]
+    assert {r["kind"] for r in grid} == set(bench.GRID_KINDS) and {r["page"] for r in grid} == {1, 16, 64}
+    assert all(r["ms"] > 0 for r in grid)
+    assert (tmp_path / "attention_smoke_grid.png").stat().st_size > 0

@@ -20,20 +20,20 @@ def make_case(num_prefill, num_decode, dtype, index_dtype, device, buffer_size=4
 @pytest.mark.parametrize(("num_prefill", "num_decode"), [(0, 0), (5, 0), (0, 7), (300, 9), (3, 200)])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_gather(num_prefill, num_decode, dtype, index_dtype, device):
+def test_gather(num_prefill, num_decode, dtype, index_dtype, device, kernels):
     prefill, buffer, indices = make_case(num_prefill, num_decode, dtype, index_dtype, device)
     out = torch.full((num_prefill + num_decode,), -7, dtype=dtype, device=device)  # poison
-    assert triton_kernels.gather_input_ids(prefill, buffer, indices, out=out) is out
+    assert kernels.gather_input_ids(prefill, buffer, indices, out=out) is out
     expected = torch.cat([prefill, buffer[indices.long()]])
     assert torch.equal(out, expected)
     assert torch.equal(reference.gather_input_ids(prefill, buffer, indices), expected)
-    assert torch.equal(triton_kernels.gather_input_ids(prefill, buffer, indices), expected)
+    assert torch.equal(kernels.gather_input_ids(prefill, buffer, indices), expected)
 
 
-def test_gather_strided_inputs(device):
+def test_gather_strided_inputs(device, kernels):
     prefill, buffer, indices = make_case(6, 5, torch.int64, torch.int64, device)
     wide = torch.stack([buffer, -buffer], 1)  # token_buffer as a strided column
-    out = triton_kernels.gather_input_ids(prefill[::2], wide[:, 0], indices[::2])
+    out = kernels.gather_input_ids(prefill[::2], wide[:, 0], indices[::2])
     assert torch.equal(out, torch.cat([prefill[::2], buffer[indices[::2]]]))
 
 
@@ -60,3 +60,22 @@ def test_gather_debug_checks(device, monkeypatch):
     monkeypatch.setenv("MINENGINE_KERNEL_DEBUG", "1")
     with pytest.raises(ValueError, match="decode_indices span"):
         triton_kernels.gather_input_ids(prefill, buffer, indices + 100)
+
+
+@pytest.mark.gpu
+def test_cuda_gather_reads_prefill_ids_from_pinned_host_memory():
+    """The fused H2D: prefill ids stay in pinned host memory, and the kernel reads them there."""
+    from minengine.ops import cuda
+
+    if not cuda.available():
+        pytest.skip("needs minengine._C and a CUDA GPU")
+    prefill = torch.randint(0, 1000, (300,), dtype=torch.int64).pin_memory()
+    buffer = torch.randint(0, 1000, (64,), dtype=torch.int64, device="cuda")
+    indices = torch.randperm(64, device="cuda")[:20]
+    out = cuda.gather_input_ids(prefill, buffer, indices)
+    assert prefill.device.type == "cpu" and out.device.type == "cuda"
+    assert torch.equal(out.cpu(), torch.cat([prefill, buffer[indices].cpu()]))
+    prefill.fill_(7)  # the kernel reads the host memory as it is now: no staged copy
+    assert torch.equal(cuda.gather_input_ids(prefill, buffer, indices)[:300].cpu(), torch.full((300,), 7))
+    with pytest.raises(ValueError, match="pinned memory"):
+        cuda.gather_input_ids(torch.zeros(3, dtype=torch.int64), buffer, indices)

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.gpu
 BF16_TOL = 1.6e-2
 
 
-def check(batch, tol=BF16_TOL, **kwargs):
+def check(batch, kernels, tol=BF16_TOL, **kwargs):
     out = torch.full_like(batch.q, float("nan"))
-    triton_kernels.paged_attention(*batch.args(), out=out, **kwargs)
+    kernels.paged_attention(*batch.args(), out=out, **kwargs)
     torch.cuda.synchronize()
     ref = reference.paged_attention(*batch.to_float64())
     assert not out.isnan().any()
@@ -36,7 +36,7 @@ def llama_batch(q_lens, kv_lens, **kw):
     return make_paged_batch(q_lens, kv_lens, **kw)
 
 
-def test_large_mixed_grid():
+def test_large_mixed_grid(kernels):
     """256 decodes + chunks over long prefixes + a fresh 16k prompt, thousands of pages."""
     rng = random.Random()
     kv = [rng.randint(1, 4096) for _ in range(256)] + [16384, 9000, 3000]
@@ -45,49 +45,49 @@ def test_large_mixed_grid():
     rng.shuffle(order)
     batch = llama_batch([q[i] for i in order], [kv[i] for i in order])
     assert batch.k_cache.shape[0] > 2000
-    check(batch)
+    check(batch, kernels=kernels)
 
 
 @pytest.mark.parametrize("page_size", [1, 5, 16])
-def test_large_page_sizes(page_size):
-    check(llama_batch([1] * 64 + [1000], [3000] * 64 + [5000], page_size=page_size))
+def test_large_page_sizes(page_size, kernels):
+    check(llama_batch([1] * 64 + [1000], [3000] * 64 + [5000], page_size=page_size), kernels=kernels)
 
 
-def test_cache_past_2_pow_31_elements():
+def test_cache_past_2_pow_31_elements(kernels):
     """Pages used by the batch sit past element 2**31 of the cache (64-bit offsets)."""
     per_page = 16 * 8 * 128
     first = 2**31 // per_page + 10
     batch = llama_batch([1, 300, 1], [700, 900, 65], first_page=first)
     assert batch.k_cache.shape[0] * per_page > 2**31
-    check(batch)
+    check(batch, kernels=kernels)
     k = torch.randn(4, 8, 128, device="cuda", dtype=torch.bfloat16)
     slots = torch.tensor([first * 16 + 3, -1, (batch.k_cache.shape[0] - 1) * 16 + 15, first * 16 + 40], device="cuda")
-    triton_kernels.store_kv(k, -k, batch.k_cache, batch.v_cache, slots)
+    kernels.store_kv(k, -k, batch.k_cache, batch.v_cache, slots)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
             assert torch.equal(batch.k_cache[s // 16, s % 16], k[i])
             assert torch.equal(batch.v_cache[s // 16, s % 16], -k[i])
 
 
-def test_split_kv_long_decodes():
+def test_split_kv_long_decodes(kernels):
     batch = llama_batch([1] * 4, [16384, 12000, 30, 16000])
     assert pick_num_splits(4, 4, 4, 8, torch.device("cuda")) > 1
-    check(batch)
+    check(batch, kernels=kernels)
     for splits in (1, 2, 16):
-        check(batch, num_splits=splits)
+        check(batch, num_splits=splits, kernels=kernels)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_other_dtypes_at_scale(dtype):
+def test_other_dtypes_at_scale(dtype, kernels):
     tol = 2e-5 if dtype == torch.float32 else 2e-3
-    check(llama_batch([1] * 32 + [512], [2000] * 32 + [3000], dtype=dtype), tol=tol)
+    check(llama_batch([1] * 32 + [512], [2000] * 32 + [3000], dtype=dtype), tol=tol, kernels=kernels)
 
 
-def test_gather_input_ids_large():
+def test_gather_input_ids_large(kernels):
     prefill = torch.randint(0, 150000, (8192,), device="cuda")
     buffer = torch.randint(0, 150000, (1024,), device="cuda")
     idx = torch.randperm(1024, device="cuda")[:256]
-    out = triton_kernels.gather_input_ids(prefill, buffer, idx)
+    out = kernels.gather_input_ids(prefill, buffer, idx)
     assert torch.equal(out, torch.cat([prefill, buffer[idx]]))
 
 
@@ -97,6 +97,6 @@ def test_agrees_with_flashinfer(decode_only):
     q = [1] * 63 + ([] if decode_only else [2048])
     kv = [4096] * 63 + ([] if decode_only else [10240])
     batch = llama_batch(q, kv, poison=False)
-    ours = triton_kernels.paged_attention(*batch.args())
+    ours = triton_kernels.paged_attention(*batch.args())  # the Triton kernel against FlashInfer
     theirs = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run()
     assert relative_error(ours, theirs.to(ours.dtype)) < BF16_TOL

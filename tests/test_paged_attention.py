@@ -25,9 +25,10 @@ MIXED_Q = [1, 7, 0, 1, 12, 3]
 MIXED_KV = [9, 7, 4, 23, 30, 3]
 
 
-def run_and_check(batch, dtype, **kwargs) -> torch.Tensor:
+def run_and_check(batch, dtype, kernels=None, **kwargs) -> torch.Tensor:
+    attention = kernels.paged_attention if kernels is not None else triton_kernels.paged_attention
     out = torch.full_like(batch.q, float("nan"))
-    res = triton_kernels.paged_attention(*batch.args(), out=out, **kwargs)
+    res = attention(*batch.args(), out=out, **kwargs)
     assert res is out
     ref = reference.paged_attention(*batch.to_float64(), softmax_scale=kwargs.get("softmax_scale"))
     assert not out.isnan().any(), "output has unwritten (NaN) elements"
@@ -44,36 +45,38 @@ def batch_for(q_lens, kv_lens, dtype, device, hq=4, hkv=2, d=64, page=5, **kw):
 
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_batch_one_launch(dtype, page_size, device):
-    run_and_check(batch_for(MIXED_Q, MIXED_KV, dtype, device, page=page_size), dtype)
+def test_mixed_batch_one_launch(dtype, page_size, device, kernels):
+    run_and_check(batch_for(MIXED_Q, MIXED_KV, dtype, device, page=page_size), dtype, kernels=kernels)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 128, 256])
-def test_head_dims(head_dim, device):
-    run_and_check(batch_for([1, 5], [6, 11], torch.float16, device, d=head_dim), torch.float16)
+def test_head_dims(head_dim, device, kernels):
+    run_and_check(batch_for([1, 5], [6, 11], torch.float16, device, d=head_dim), torch.float16, kernels=kernels)
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (8, 2), (10, 2), (16, 1)])
-def test_gqa_ratios(hq, hkv, device):
-    run_and_check(batch_for([1, 4, 1], [12, 4, 20], torch.float16, device, hq=hq, hkv=hkv), torch.float16)
+def test_gqa_ratios(hq, hkv, device, kernels):
+    run_and_check(
+        batch_for([1, 4, 1], [12, 4, 20], torch.float16, device, hq=hq, hkv=hkv), torch.float16, kernels=kernels
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fresh_prompts_only(dtype, device):
-    run_and_check(batch_for([6, 17], [6, 17], dtype, device), dtype)
+def test_fresh_prompts_only(dtype, device, kernels):
+    run_and_check(batch_for([6, 17], [6, 17], dtype, device), dtype, kernels=kernels)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decodes_only(dtype, device):
-    run_and_check(batch_for([1] * 5, [1, 5, 16, 33, 2], dtype, device, page=16), dtype)
+def test_decodes_only(dtype, device, kernels):
+    run_and_check(batch_for([1] * 5, [1, 5, 16, 33, 2], dtype, device, page=16), dtype, kernels=kernels)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_kv(num_splits, dtype, device):
+def test_split_kv(num_splits, dtype, device, kernels):
     """Flash-decoding path: long decodes (and a chunk) split num_splits ways, then merged."""
     batch = batch_for([1, 1, 9], [70, 3, 40], dtype, device, page=16)
-    run_and_check(batch, dtype, num_splits=num_splits)
+    run_and_check(batch, dtype, num_splits=num_splits, kernels=kernels)
 
 
 def test_split_kv_is_chosen_for_few_long_decodes(device):
@@ -84,40 +87,40 @@ def test_split_kv_is_chosen_for_few_long_decodes(device):
 
 
 @pytest.mark.parametrize("kv_views", [True, False])
-def test_cache_layouts(kv_views, device):
+def test_cache_layouts(kv_views, device, kernels):
     batch = batch_for(MIXED_Q, MIXED_KV, torch.float16, device, kv_views=kv_views)
     assert batch.k_cache.is_contiguous() is not kv_views
-    run_and_check(batch, torch.float16)
+    run_and_check(batch, torch.float16, kernels=kernels)
 
 
-def test_softmax_scale(device):
-    run_and_check(batch_for([3, 1], [8, 9], torch.float32, device), torch.float32, softmax_scale=0.37)
+def test_softmax_scale(device, kernels):
+    run_and_check(batch_for([3, 1], [8, 9], torch.float32, device), torch.float32, softmax_scale=0.37, kernels=kernels)
 
 
-def test_out_allocated_when_omitted(device):
+def test_out_allocated_when_omitted(device, kernels):
     batch = batch_for([2, 1], [5, 6], torch.float16, device)
-    out = triton_kernels.paged_attention(*batch.args())
+    out = kernels.paged_attention(*batch.args())
     ref = reference.paged_attention(*batch.to_float64())
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     assert relative_error(out, ref) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_padding_rows_are_zeroed(num_splits, device):
+def test_padding_rows_are_zeroed(num_splits, device, kernels):
     """Rows past cu_seqlens_q[-1] (e.g. a padded graph batch) are written, as zeros."""
     batch = batch_for([1, 3], [7, 3], torch.float32, device, num_tokens=9)
-    out = run_and_check(batch, torch.float32, num_splits=num_splits)
+    out = run_and_check(batch, torch.float32, num_splits=num_splits, kernels=kernels)
     assert torch.equal(out[4:], torch.zeros_like(out[4:]))
 
 
-def test_empty_batches(device):
+def test_empty_batches(device, kernels):
     batch = batch_for([0, 0], [4, 5], torch.float16, device)
-    assert triton_kernels.paged_attention(*batch.args()).shape == (0, 4, 64)
+    assert kernels.paged_attention(*batch.args()).shape == (0, 4, 64)
     none = batch_for([], [], torch.float16, device)
-    assert triton_kernels.paged_attention(*none.args()).shape == (0, 4, 64)
+    assert kernels.paged_attention(*none.args()).shape == (0, 4, 64)
 
 
-def test_random_batches(device):
+def test_random_batches(device, kernels):
     """Fresh random batch compositions, shapes and dtypes each run."""
     rng = random.Random()
     for _ in range(4):
@@ -128,7 +131,7 @@ def test_random_batches(device):
         hkv = rng.choice([1, 2])
         hq = hkv * rng.choice([1, 3, 4])
         batch = batch_for(q, kv, dtype, device, hq=hq, hkv=hkv, d=rng.choice([32, 48, 64]), page=rng.randint(1, 9))
-        run_and_check(batch, dtype, num_splits=rng.choice([None, 1, 2]))
+        run_and_check(batch, dtype, num_splits=rng.choice([None, 1, 2]), kernels=kernels)
 
 
 def test_triton_matches_torch_backend(device):
@@ -169,11 +172,11 @@ def _bad(device, **change):
         (lambda a: dict(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
     ],
 )
-def test_bad_arguments_raise(change, message, device):
+def test_bad_arguments_raise(change, message, device, kernels):
     args = _bad(device)
     args.update(change(args))
     with pytest.raises(ValueError, match=message):
-        triton_kernels.paged_attention(**args)
+        kernels.paged_attention(**args)
     with pytest.raises(ValueError, match=message):
         reference.paged_attention(**args)
 

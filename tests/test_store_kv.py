@@ -27,20 +27,20 @@ def make_case(dtype, page_size, device, num_tokens=11, hkv=2, d=64, num_pages=6,
 
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_store_kv_matches_reference_exactly(dtype, page_size, device):
+def test_store_kv_matches_reference_exactly(dtype, page_size, device, kernels):
     k, v, k_cache, v_cache, slots = make_case(dtype, page_size, device)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     reference.store_kv(k, v, k_ref, v_ref, slots)
-    triton_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    kernels.store_kv(k, v, k_cache, v_cache, slots)
     # bit-exact everywhere: written slots hold k/v, every other slot is unchanged
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
 @pytest.mark.parametrize("head_dim", [32, 80, 256])
-def test_store_kv_head_dims_and_separate_caches(head_dim, device):
+def test_store_kv_head_dims_and_separate_caches(head_dim, device, kernels):
     k, v, k_cache, v_cache, slots = make_case(torch.float16, 5, device, d=head_dim, hkv=3, kv_views=False)
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    triton_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    kernels.store_kv(k, v, k_cache, v_cache, slots)
     page_size = k_cache.shape[1]
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
@@ -51,11 +51,11 @@ def test_store_kv_head_dims_and_separate_caches(head_dim, device):
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
 
-def test_store_kv_all_padding_and_empty(device):
+def test_store_kv_all_padding_and_empty(device, kernels):
     k, v, k_cache, v_cache, slots = make_case(torch.float16, 4, device)
     before = k_cache.clone()
-    triton_kernels.store_kv(k, v, k_cache, v_cache, torch.full_like(slots, -1))
-    triton_kernels.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])
+    kernels.store_kv(k, v, k_cache, v_cache, torch.full_like(slots, -1))
+    kernels.store_kv(k[:0], v[:0], k_cache, v_cache, slots[:0])
     assert torch.equal(k_cache, before)
 
 

@@ -184,8 +184,13 @@ def check_store_kv_values(k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> 
 
 
 def check_gather_input_ids(
-    prefill_ids: torch.Tensor, token_buffer: torch.Tensor, decode_indices: torch.Tensor, out: torch.Tensor | None
+    prefill_ids: torch.Tensor,
+    token_buffer: torch.Tensor,
+    decode_indices: torch.Tensor,
+    out: torch.Tensor | None,
+    host_prefill_ok: bool = False,
 ) -> int:
+    """``host_prefill_ok``: the backend can read ``prefill_ids`` from pinned host memory."""
     for name, t in (("prefill_ids", prefill_ids), ("token_buffer", token_buffer), ("decode_indices", decode_indices)):
         _expect(t.dim() == 1, f"{name} must be 1-D; got shape {tuple(t.shape)}")
     _expect_dtype("prefill_ids", prefill_ids, ID_DTYPES)
@@ -195,12 +200,16 @@ def check_gather_input_ids(
     )
     _expect_dtype("decode_indices", decode_indices, ID_DTYPES)
     total = prefill_ids.numel() + decode_indices.numel()
-    tensors = dict(token_buffer=token_buffer, decode_indices=decode_indices)
+    tensors = dict(decode_indices=decode_indices)
     if out is not None:
         _expect_shape("out", out, (total,))
         _expect(out.dtype == prefill_ids.dtype, f"out.dtype is {out.dtype}; expected {prefill_ids.dtype}")
         tensors["out"] = out
-    _expect_device(prefill_ids.device, **tensors)
+    if host_prefill_ok and prefill_ids.device.type == "cpu" and token_buffer.device.type != "cpu":
+        _expect(prefill_ids.is_pinned(), "prefill_ids on the host must be in pinned memory (tensor.pin_memory())")
+    else:
+        tensors["prefill_ids"] = prefill_ids
+    _expect_device(token_buffer.device, **tensors)
     return total
 
 

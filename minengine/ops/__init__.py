@@ -4,6 +4,8 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
 
 - ``torch``: the pure-torch references in ``reference.py`` (CPU engine runs, test oracles);
 - ``triton``: ``triton_kernels`` (CUDA, or CPU under ``TRITON_INTERPRET=1``);
+- ``cuda``: the CUDA C++ kernels of ``minengine._C`` (GPU; built when nvcc is found);
+- ``flashinfer``: FlashInfer's paged attention behind our contract (GPU, optional import);
 - ``auto``: ``triton`` for CUDA tensors, ``torch`` otherwise.
 
 The engine resolves its backend once (``get_kernels(name, device)``) and calls the functions
@@ -36,7 +38,28 @@ def _triton_kernels() -> KernelSet:
     return KernelSet(triton_kernels.paged_attention, triton_kernels.store_kv, triton_kernels.gather_input_ids)
 
 
-_BACKENDS: dict[str, Callable[[], KernelSet]] = {"torch": _torch_kernels, "triton": _triton_kernels}
+def _cuda_kernels() -> KernelSet:
+    from minengine.ops import cuda
+
+    return KernelSet(cuda.paged_attention, cuda.store_kv, cuda.gather_input_ids)
+
+
+def _flashinfer_kernels() -> KernelSet:
+    """FlashInfer's attention (planned per call: a comparison backend); our store and gather."""
+    import triton_kernels
+    from minengine.ops import flashinfer_ref
+
+    if not flashinfer_ref.available():
+        raise RuntimeError("the flashinfer backend needs flashinfer-python and a CUDA GPU")
+    return KernelSet(flashinfer_ref.paged_attention, triton_kernels.store_kv, triton_kernels.gather_input_ids)
+
+
+_BACKENDS: dict[str, Callable[[], KernelSet]] = {
+    "torch": _torch_kernels,
+    "triton": _triton_kernels,
+    "cuda": _cuda_kernels,
+    "flashinfer": _flashinfer_kernels,
+}
 BACKEND_NAMES = ("auto", *_BACKENDS)
 
 

@@ -92,3 +92,26 @@ class FlashInferPagedAttention:
 
     def run(self) -> torch.Tensor:
         return self.wrapper.run(self.q, self.kv)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    **_: object,
+) -> torch.Tensor:
+    """Our contract through FlashInfer, planned on every call (a host sync): for comparisons."""
+    from triton_kernels.contract import check_paged_attention
+
+    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
+    result = FlashInferPagedAttention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale).run()
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

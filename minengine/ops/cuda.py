@@ -1,0 +1,168 @@
+"""The ``cuda`` backend: the CUDA C++ kernels of ``minengine._C`` behind the kernel contracts.
+
+Arguments are checked with the contracts' shared checks (``triton_kernels.contract``), then the
+kernels get raw pointers, sizes, strides, dtype codes and the current CUDA stream as integers.
+``gather_input_ids`` also accepts ``prefill_ids`` in pinned host memory: the kernel reads it over
+unified addressing, fusing the host-to-device copy into the gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from triton_kernels.contract import (
+    check_gather_input_ids,
+    check_gather_input_ids_values,
+    check_paged_attention,
+    check_paged_attention_values,
+    check_store_kv,
+    check_store_kv_values,
+)
+
+try:
+    from minengine import _C
+except ImportError as exc:  # built only where nvcc was found
+    _C = None
+    _IMPORT_ERROR = exc
+
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_INDEX = {torch.int32: 0, torch.int64: 1}
+
+
+def available() -> bool:
+    return _C is not None and torch.cuda.is_available()
+
+
+def _require(*tensors: torch.Tensor) -> None:
+    if _C is None:
+        raise RuntimeError(
+            f"the cuda backend needs minengine._C, which is not built ({_IMPORT_ERROR}); "
+            "reinstall with nvcc available (MINENGINE_BUILD_CUDA=1)"
+        )
+    for t in tensors:
+        if t.device.type != "cuda":
+            raise ValueError(f"the cuda backend needs CUDA tensors; got one on {t.device}")
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _debug() -> bool:
+    from triton_kernels._common import debug_checks
+
+    return debug_checks()
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """``num_splits`` is accepted for signature parity; this kernel does not split KV yet."""
+    dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
+    _require(q)
+    if _debug():
+        check_paged_attention_values(dims, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q)
+    if out is None:
+        out = torch.empty_like(q)
+    _C.paged_attention(
+        q=q.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        out=out.data_ptr(),
+        block_tables=block_tables.data_ptr(),
+        seq_lens=seq_lens.data_ptr(),
+        cu_seqlens_q=cu_seqlens_q.data_ptr(),
+        num_tokens=dims.num_tokens,
+        num_seqs=dims.num_seqs,
+        num_q_heads=dims.num_q_heads,
+        num_kv_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim,
+        page_size=dims.page_size,
+        sq_t=q.stride(0),
+        sq_h=q.stride(1),
+        sk_p=k_cache.stride(0),
+        sk_s=k_cache.stride(1),
+        sk_h=k_cache.stride(2),
+        sv_p=v_cache.stride(0),
+        sv_s=v_cache.stride(1),
+        sv_h=v_cache.stride(2),
+        so_t=out.stride(0),
+        so_h=out.stride(1),
+        sbt=block_tables.stride(0),
+        softmax_scale=dims.head_dim**-0.5 if softmax_scale is None else float(softmax_scale),
+        dtype=_DTYPES[q.dtype],
+        stream=_stream(q.device),
+    )
+    return out
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    check_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    _require(k)
+    if _debug():
+        check_store_kv_values(k_cache, slot_mapping)
+    _C.store_kv(
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        slot_mapping=slot_mapping.data_ptr(),
+        num_tokens=k.shape[0],
+        num_heads=k.shape[1],
+        head_dim=k.shape[2],
+        page_size=k_cache.shape[1],
+        sk_t=k.stride(0),
+        sk_h=k.stride(1),
+        sv_t=v.stride(0),
+        sv_h=v.stride(1),
+        skc_p=k_cache.stride(0),
+        skc_s=k_cache.stride(1),
+        skc_h=k_cache.stride(2),
+        svc_p=v_cache.stride(0),
+        svc_s=v_cache.stride(1),
+        svc_h=v_cache.stride(2),
+        dtype=_DTYPES[k.dtype],
+        stream=_stream(k.device),
+    )
+
+
+def gather_input_ids(
+    prefill_ids: torch.Tensor,
+    token_buffer: torch.Tensor,
+    decode_indices: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    total = check_gather_input_ids(prefill_ids, token_buffer, decode_indices, out, host_prefill_ok=True)
+    _require(token_buffer)
+    if _debug():
+        check_gather_input_ids_values(token_buffer, decode_indices)
+    if out is None:
+        out = torch.empty(total, dtype=prefill_ids.dtype, device=token_buffer.device)
+    _C.gather_input_ids(
+        prefill_ids=prefill_ids.data_ptr(),
+        token_buffer=token_buffer.data_ptr(),
+        decode_indices=decode_indices.data_ptr(),
+        out=out.data_ptr(),
+        num_prefill=prefill_ids.numel(),
+        num_decode=decode_indices.numel(),
+        sp=prefill_ids.stride(0),
+        sb=token_buffer.stride(0),
+        si=decode_indices.stride(0),
+        so=out.stride(0),
+        id_dtype=_INDEX[prefill_ids.dtype],
+        index_dtype=_INDEX[decode_indices.dtype],
+        stream=_stream(token_buffer.device),
+    )
+    return out

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Nsight Compute on each kernel for a representative mixed batch (one 2048-token chunk over an 8k
+# prefix + 63 decodes at 4k, bf16, 32/8/128, page 16), Triton and CUDA backends: DRAM throughput,
+# achieved occupancy, tensor-pipe utilization, top warp-stall reasons. Clocks left as they are.
+#   bash profiles/ncu_kernels.sh          -> profiles/out/ncu_<backend>.txt
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p profiles/out
+for backend in triton cuda; do
+  ncu --clock-control none --target-processes all \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --kernel-name regex:'paged_attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \
+      python profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt
+  echo "wrote profiles/out/ncu_$backend.txt"
+done
