@@ -1,0 +1,37 @@
+"""minengine._C is built wherever nvcc is (CI compiles and links it on the CPU machine), and the
+package works without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def nvcc_present() -> bool:
+    homes = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    return bool(shutil.which("nvcc")) or any(h and (Path(h) / "bin" / "nvcc").exists() for h in homes)
+
+
+@pytest.mark.skipif(
+    not nvcc_present() or os.environ.get("MINENGINE_BUILD_CUDA") == "0", reason="no nvcc: the extension is optional"
+)
+def test_extension_was_built_and_imports_without_a_gpu():
+    from minengine import _C
+
+    assert {"paged_attention", "store_kv", "gather_input_ids"} <= set(dir(_C))
+
+
+def test_cuda_backend_errors_clearly_without_a_gpu():
+    from minengine.ops import cuda
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    q = torch.zeros(1, 4, 32)
+    cache = torch.zeros(2, 4, 2, 32)
+    args = (q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    with pytest.raises((RuntimeError, ValueError), match="minengine._C|CUDA tensors"):
+        cuda.paged_attention(*args, torch.tensor([0, 1], dtype=torch.int32), 1)
