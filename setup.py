@@ -41,10 +41,14 @@ def find_cuda_home() -> Path | None:
 
 
 def gencode_flags(archs: str) -> list[str]:
+    """Machine code for each arch, plus PTX of the first (portable) one for newer GPUs."""
+    nums = [a.strip().replace(".", "") for a in archs.split(";") if a.strip()]
     flags = []
-    for arch in filter(None, (a.strip() for a in archs.split(";"))):
-        num = arch.replace(".", "")
+    for num in nums:
         flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
+    portable = next((n for n in nums if not n.endswith("a")), None)
+    if portable:
+        flags += ["-gencode", f"arch=compute_{portable},code=compute_{portable}"]
     return flags
 
 

@@ -33,7 +33,7 @@ class DecodeGraphs:
         use_graphs: bool,
     ):
         self.model, self.pool, self.kernels = model, pool, kernels
-        self.buckets = [b for b in BUCKETS if b < max_bs] + [max_bs]
+        self.buckets = self.buckets_up_to(max_bs)
         device = pool.kv.device
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -46,6 +46,15 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if use_graphs:
             self._capture_all()
+
+    @staticmethod
+    def buckets_up_to(max_bs: int) -> list[int]:
+        return [b for b in BUCKETS if b < max_bs] + [max_bs]
+
+    @staticmethod
+    def logits_rows(max_bs: int) -> int:
+        """Rows of logits the captured graphs keep, summed over buckets (for the memory budget)."""
+        return sum(DecodeGraphs.buckets_up_to(max_bs))
 
     def bucket(self, bs: int) -> int | None:
         return next((b for b in self.buckets if b >= bs), None)

@@ -24,6 +24,7 @@ from minengine.scheduler.prefill_delayer import DelayerConfig, PrefillDelayer
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+GRAPH_SAFE = ("triton", "cuda")  # attention backends with no host sync inside (capturable)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,6 +79,8 @@ class Engine:
         dummy = config.load_format == "dummy"
         self.model = load_model(config.model, mc, self.context_length, self.device, self.dtype, dummy)
         kernels = ops.get_kernels(config.attention_backend, self.device)
+        backend = ops.resolve_backend(config.attention_backend, self.device)
+        self.use_cuda_graphs = self.device.type == "cuda" and not config.disable_cuda_graph and backend in GRAPH_SAFE
 
         ps = config.page_size
         self.num_pages = self._kv_pages(ps)
@@ -103,7 +106,7 @@ class Engine:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
-        if self.device.type == "cuda" and not config.disable_cuda_graph:
+        if self.use_cuda_graphs:  # only backends that never sync with the host can be captured
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
             self.runner.graphs = DecodeGraphs(self.model, pool, kernels, max_bs, page_table.table.shape[1], True)
         self.overlap = not config.disable_overlap_schedule
@@ -134,6 +137,9 @@ class Engine:
             return -(-CPU_DEFAULT_MAX_TOTAL_TOKENS // page_size)
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * cfg.mem_fraction_static) - (total - free)
+        if self.use_cuda_graphs:  # each captured bucket keeps its float32 logits
+            max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+            budget -= DecodeGraphs.logits_rows(max_bs) * mc.vocab_size * 4
         per_page = KVPool.bytes_per_page(mc.num_layers, page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         if budget < per_page:
             raise ValueError(

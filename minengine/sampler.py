@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from minengine.memory.kv_pool import to_device
 from minengine.request import Request
 
 
@@ -21,38 +22,44 @@ class Sampler:
         return torch.Generator(self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """One token per row of ``logits`` [S, V] (float32), row i for ``reqs[i]``, on the device
-        (no host sync)."""
+        """One token per row of ``logits`` [S, V] (float32), row i for ``reqs[i]``, on the device.
+        Decisions use host values only, so sampling never waits for the device."""
         tokens = logits.argmax(-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:
             params = [reqs[i].params for i in rows]
-            probs = filtered_probs(logits[rows], params)
+            index = to_device(rows, torch.int64, logits.device)
+            probs = filtered_probs(logits.index_select(0, index), params)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
             for j, i in enumerate(rows):
                 if reqs[i].generator is not None:
                     noise[j].exponential_(generator=reqs[i].generator)
-            tokens[rows] = (probs / noise).argmax(-1)
+            tokens.index_copy_(0, index, (probs / noise).argmax(-1))
         return tokens
 
 
 def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Softmax(logits / temperature) with top-k, top-p and min-p masks applied (not renormalised)."""
+    """Softmax(logits / temperature) with top-k, top-p and min-p masks applied (not renormalised).
+    Which filters run is decided on the host values of ``params``."""
     device, vocab = logits.device, logits.shape[-1]
-    temp = torch.tensor([p.temperature for p in params], device=device)
-    logits = logits / temp[:, None]
-    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return to_device(values, torch.float32, device)[:, None]
+
+    logits = logits / column([p.temperature for p in params])
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_k) < vocab:
-        k = torch.tensor(top_k, device=device).clamp(max=vocab)
+        k = to_device(top_k, torch.int64, device)
         kth = logits.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    if (top_p < 1).any():
+    if any(p.top_p < 1 for p in params):
         sorted_p, order = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p[:, None]  # keeps the smallest set reaching top_p
+        drop = sorted_p.cumsum(-1) - sorted_p > column(
+            [p.top_p for p in params]
+        )  # keep the smallest set reaching top_p
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-    min_p = torch.tensor([p.min_p for p in params], device=device)
-    if (min_p > 0).any():
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    if any(p.min_p > 0 for p in params):
+        floor = column([p.min_p for p in params]) * probs.max(-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
     return probs

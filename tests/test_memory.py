@@ -112,3 +112,16 @@ def test_random_operations_keep_accounting():
         assert cache.protected_pages == sum(len(n.pages) for n in nodes if n.lock_ref > 0)
         assert alloc.num_free + cache.total_pages == 400
         assert all(len(n.key) == len(n.pages) * ps for n in nodes)
+
+
+def test_page_table_writes_last_one_wins_and_flush_has_no_duplicate_index():
+    import torch
+
+    from minengine.memory import PageTable
+
+    table = PageTable(max_requests=2, max_pages_per_request=4, device=torch.device("cpu"))
+    table.write(0, 0, [5, 6])  # queued for a request that is then aborted
+    table.write(0, 0, [7])  # the slot's next request, before any flush
+    assert len(table._pending) == 2  # one entry per (slot, column)
+    table.flush()
+    assert table.table[0, :2].tolist() == [7, 6]

@@ -76,3 +76,22 @@ def test_abort_while_next_step_is_in_flight(overlap, kv_checked_steps):
     assert len(keep.output_ids) == 20
     acc = eng.scheduler.accounting()
     assert acc["held_by_requests"] == 0 and acc["free"] + acc["held_only_by_cache"] == acc["total"]
+
+
+def test_slot_reused_after_abort_mid_chunked_prefill():
+    """An abort mid-prompt queues page-table writes for a slot the next request takes at once."""
+    prompt = list(range(10, 40))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM("tiny", page_size=4).generate([prompt[::-1]], params, use_tqdm=False)[0].token_ids
+    llm = LLM("tiny", page_size=4, chunked_prefill_size=8)
+    eng = llm.engine
+    first = eng.add_request(prompt, params)
+    eng.step()
+    eng.step()  # two chunks in: the completed pages went to the prefix cache
+    slot = first.slot
+    eng.abort(first)
+    second = eng.add_request(prompt[::-1], params)
+    while eng.has_unfinished():
+        eng.step()
+    assert second.slot is None and second.output_ids == want
+    assert slot is not None

@@ -20,8 +20,11 @@ def interpreting() -> bool:
 
 
 def debug_checks() -> bool:
-    """Value checks that need a host sync run only when ``MINENGINE_KERNEL_DEBUG=1``."""
-    return os.environ.get("MINENGINE_KERNEL_DEBUG", "0").lower() in _TRUE
+    """Value checks that need a host sync run only when ``MINENGINE_KERNEL_DEBUG=1``, and never
+    while a CUDA graph is being captured (a sync there would break the capture)."""
+    if os.environ.get("MINENGINE_KERNEL_DEBUG", "0").lower() not in _TRUE:
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 @functools.cache

@@ -38,9 +38,10 @@ class PageTable:
     def __init__(self, max_requests: int, max_pages_per_request: int, device: torch.device):
         self.table = torch.zeros((max_requests, max_pages_per_request), dtype=torch.int32, device=device)
         self._free_slots = list(range(max_requests - 1, -1, -1))
-        self._rows: list[int] = []
-        self._cols: list[int] = []
-        self._pages: list[int] = []
+        # NOTE: keyed by (slot, column) so a flush never holds one index twice: index_put_ with
+        # duplicate indices picks an arbitrary winner on CUDA (a slot reused after an abort would
+        # otherwise race with the writes queued for its previous request).
+        self._pending: dict[tuple[int, int], int] = {}
 
     def acquire(self) -> int:
         return self._free_slots.pop()
@@ -49,17 +50,17 @@ class PageTable:
         self._free_slots.append(slot)
 
     def write(self, slot: int, start: int, pages: list[int]) -> None:
-        self._rows += [slot] * len(pages)
-        self._cols += range(start, start + len(pages))
-        self._pages += pages
+        for col, page in enumerate(pages, start):
+            self._pending[slot, col] = page
 
     def flush(self) -> None:
-        if not self._pages:
+        if not self._pending:
             return
         device = self.table.device
-        index = to_device([self._rows, self._cols], torch.int64, device)
-        self.table.index_put_((index[0], index[1]), to_device(self._pages, torch.int32, device))
-        self._rows, self._cols, self._pages = [], [], []
+        index = to_device([[r for r, _ in self._pending], [c for _, c in self._pending]], torch.int64, device)
+        pages = to_device(list(self._pending.values()), torch.int32, device)
+        self.table.index_put_((index[0], index[1]), pages)
+        self._pending = {}
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -48,6 +48,19 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+# Pinned host tensors a launched gather still reads, with the event that says it is done: the
+# kernel reads host memory directly, so nothing else keeps the allocator from reusing it.
+_host_reads: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+
+
+def _keep_alive(tensor: torch.Tensor, device: torch.device) -> None:
+    while _host_reads and _host_reads[0][1].query():
+        _host_reads.pop(0)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    _host_reads.append((tensor, done))
+
+
 def _debug() -> bool:
     from triton_kernels._common import debug_checks
 
@@ -74,6 +87,12 @@ def paged_attention(
         check_paged_attention_values(dims, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q)
     if out is None:
         out = torch.empty_like(q)
+    with torch.cuda.device(q.device):
+        _launch_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, softmax_scale, out)
+    return out
+
+
+def _launch_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, softmax_scale, out) -> None:
     _C.paged_attention(
         q=q.data_ptr(),
         k_cache=k_cache.data_ptr(),
@@ -103,7 +122,6 @@ def paged_attention(
         dtype=_DTYPES[q.dtype],
         stream=_stream(q.device),
     )
-    return out
 
 
 def store_kv(
@@ -113,6 +131,11 @@ def store_kv(
     _require(k)
     if _debug():
         check_store_kv_values(k_cache, slot_mapping)
+    with torch.cuda.device(k.device):
+        _launch_store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _launch_store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     _C.store_kv(
         k=k.data_ptr(),
         v=v.data_ptr(),
@@ -150,6 +173,14 @@ def gather_input_ids(
         check_gather_input_ids_values(token_buffer, decode_indices)
     if out is None:
         out = torch.empty(total, dtype=prefill_ids.dtype, device=token_buffer.device)
+    with torch.cuda.device(token_buffer.device):
+        _launch_gather(prefill_ids, token_buffer, decode_indices, out)
+        if prefill_ids.device.type == "cpu" and prefill_ids.numel():
+            _keep_alive(prefill_ids, token_buffer.device)
+    return out
+
+
+def _launch_gather(prefill_ids, token_buffer, decode_indices, out) -> None:
     _C.gather_input_ids(
         prefill_ids=prefill_ids.data_ptr(),
         token_buffer=token_buffer.data_ptr(),
@@ -165,4 +196,3 @@ def gather_input_ids(
         index_dtype=_INDEX[decode_indices.dtype],
         stream=_stream(token_buffer.device),
     )
-    return out
