@@ -36,6 +36,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None  # None when the caller makes the text (server)
+    prefix_match: tuple | None = None  # waiting: (radix version, pages, node) of its last prefix match
 
     def __post_init__(self) -> None:
         if not self.token_ids:

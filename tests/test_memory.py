@@ -125,3 +125,17 @@ def test_page_table_writes_last_one_wins_and_flush_has_no_duplicate_index():
     assert len(table._pending) == 2  # one entry per (slot, column)
     table.flush()
     assert table.table[0, :2].tolist() == [7, 6]
+
+
+def test_version_moves_only_when_pages_enter_or_leave():
+    cache, alloc = make_cache()
+    v0 = cache.version
+    cache.insert([1, 1, 2, 2], alloc.alloc(2))
+    v1 = cache.version
+    assert v1 > v0
+    pages, node = cache.match_prefix([1, 1, 2, 2])
+    cache.match_prefix([1, 1, 9, 9])  # a split: the first match still ends at `node`
+    assert cache.version == v1 and cache.match_prefix([1, 1, 2, 2]) == (pages, node)
+    assert cache.insert([1, 1, 2, 2], alloc.alloc(2)) == 4 and cache.version == v1  # nothing new
+    cache.evict(10)
+    assert cache.version > v1

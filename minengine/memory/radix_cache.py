@@ -38,6 +38,9 @@ class RadixCache:
         self.root.lock_ref = 1  # never evicted
         self.total_pages = 0
         self.protected_pages = 0  # pages in locked nodes
+        # bumped when pages enter or leave the tree: a match made at an older version may be stale
+        # (splits keep a match valid: the matched path still ends at the same node)
+        self.version = 0
 
     @property
     def evictable_pages(self) -> int:
@@ -72,6 +75,7 @@ class RadixCache:
                 leaf = Node(node, list(tokens[i:n_tokens]), list(pages[i // ps : n_tokens // ps]))
                 node.children[tuple(tokens[i : i + ps])] = leaf
                 self.total_pages += len(leaf.pages)
+                self.version += 1
                 return i
             n = self._common_pages(child.key, tokens[:n_tokens], i)
             if n < len(child.pages):
@@ -106,6 +110,7 @@ class RadixCache:
             del parent.children[tuple(leaf.key[: self.page_size])]
             self._free_pages(leaf.pages)
             self.total_pages -= len(leaf.pages)
+            self.version += 1
             freed += len(leaf.pages)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))

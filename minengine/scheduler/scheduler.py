@@ -146,8 +146,12 @@ class Scheduler:
     def _match(self, req: Request):
         if self.cache is None:
             return [], None
+        if req.prefix_match is not None and req.prefix_match[0] == self.cache.version:
+            return req.prefix_match[1:]  # the tree gained or lost no page since: still the match
         # the last prompt token is always recomputed: its logits give the first output token
-        return self.cache.match_prefix(req.prompt_ids[: len(req.prompt_ids) - 1])
+        pages, node = self.cache.match_prefix(req.prompt_ids[: len(req.prompt_ids) - 1])
+        req.prefix_match = (self.cache.version, pages, node)
+        return pages, node
 
     @staticmethod
     def _pages_to_pin(node) -> int:
