@@ -45,10 +45,6 @@ class PagedBatch:
         """The same arguments with q and the caches upcast to float64 (for references)."""
         return (self.q.double(), self.k_cache.double(), self.v_cache.double(), *self.args()[3:])
 
-    @property
-    def kv_tokens(self) -> int:
-        return sum(self.seq_lens_host)
-
 
 def make_paged_batch(
     q_lens: list[int],
