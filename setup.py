@@ -121,6 +121,8 @@ setup(
         "uvicorn",
         "pyzmq",
         "prometheus-client",
+        "httpx",  # the router's client
+        "nixl",  # KV transfer between prefill and decode servers (UCX; host or device memory)
     ],
     extras_require={
         "test": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "openai>=1.40", "httpx", "matplotlib"],

@@ -6,13 +6,15 @@
 #   bash benchmarks/gpu_session.sh kernels    # bench_attention (core + full grid), ncu summaries
 #   bash benchmarks/gpu_session.sh engine     # bench_decode (roofline, idle), bench_offline
 #   bash benchmarks/gpu_session.sh serving    # run_ablations.sh (chunk budget, delayer, overlap)
+#   bash benchmarks/gpu_session.sh disagg     # bench_disagg.py (router, decode radix cache off/on)
 #
 # The GPU machine is offline: carry wheels in .whl/ (see the device README) for what its image
 # lacks: pybind11 and ninja (to build _C), openai and httpx (server tests), nvidia-ml-py (clocks),
-# and optionally flashinfer-python 0.5.3 + apache-tvm-ffi + nvidia-cudnn-frontend.
+# and optionally flashinfer-python 0.5.3 + apache-tvm-ffi + nvidia-cudnn-frontend. The disagg phase
+# needs nixl and nixl-cu13 (cp312, about 56 MB: carry them in a call of their own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?phase: tests | kernels | engine | serving}
+PHASE=${1:?phase: tests | kernels | engine | serving | disagg}
 DEST=${OUT:-benchmarks/results}
 WORK=$(mktemp -d)
 mkdir -p "$DEST" "$WORK/results" "$WORK/logs"
@@ -41,6 +43,10 @@ case $PHASE in
   serving)
     bash benchmarks/run_ablations.sh > "$WORK/logs/ablations.log" 2>&1
     cp benchmarks/results/serving_* "$WORK/results/" 2>/dev/null
+    ;;
+  disagg)
+    python3 -m pytest -q -m gpu tests/test_disagg.py 2>&1 | tee "$WORK/logs/pytest_disagg.log" | tail -5
+    python3 benchmarks/bench_disagg.py --out "$WORK/results" 2>&1 | tail -12
     ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

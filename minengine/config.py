@@ -16,6 +16,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda", "flashinfer")
 LOAD_FORMATS = ("auto", "dummy")
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("nixl", "fake")
 # fields whose values come from a fixed list (the CLI offers them as choices)
 CHOICES = {
     "device": DEVICES,
@@ -23,6 +25,8 @@ CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "load_format": LOAD_FORMATS,
     "load_balance_method": LOAD_BALANCE_METHODS,
+    "disaggregation_mode": DISAGGREGATION_MODES,
+    "disaggregation_transfer_backend": TRANSFER_BACKENDS,
 }
 
 
@@ -52,6 +56,13 @@ class EngineConfig:
     base_gpu_id: int = 0  # worker i uses GPU base_gpu_id + i
     load_balance_method: str = "round_robin"
     seed: int = 0
+    # prefill/decode disaggregation: a prefill server sends each request's KV pages to a decode server
+    disaggregation_mode: str = "null"  # "prefill" | "decode": one side of a pair (see minengine.router)
+    disaggregation_transfer_backend: str = "nixl"  # "fake": no data moved (queue-logic tests, warm-up)
+    disaggregation_bootstrap_port: int = 8998  # the prefill server's bootstrap (KV handshake) port
+    disaggregation_bootstrap_timeout: float = 30.0  # seconds a peer may stay silent before its requests fail
+    disaggregation_decode_enable_radix_cache: bool = False  # decode: ask only for the KV pages it lacks
+    num_reserved_decode_tokens: int = 512  # decode: KV allocated up front for generated tokens
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -75,13 +86,29 @@ class EngineConfig:
         _int_at_least("max_total_tokens", self.max_total_tokens, 1, optional=True)
         _int_at_least("context_length", self.context_length, 1, optional=True)
         _int_at_least("seed", self.seed, 0)
+        _choice("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
+        _choice("disaggregation_transfer_backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
+        _int_at_least("disaggregation_bootstrap_port", self.disaggregation_bootstrap_port, 1)
+        if self.disaggregation_bootstrap_port > 65535:
+            port = self.disaggregation_bootstrap_port
+            raise ValueError(f"disaggregation_bootstrap_port is {port}; allowed: 1..65535")
+        _int_at_least("num_reserved_decode_tokens", self.num_reserved_decode_tokens, 0)
+        t = self.disaggregation_bootstrap_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"disaggregation_bootstrap_timeout is {t!r}; allowed: a number of seconds > 0")
+        if self.disaggregation_mode != "null" and self.dp_size != 1:
+            raise ValueError(
+                f"dp_size is {self.dp_size} with disaggregation_mode {self.disaggregation_mode!r}; "
+                "allowed: dp_size 1 (run more prefill or decode servers behind the router instead)"
+            )
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model is {self.model!r}; expected 'tiny' or a local model directory")
         if isinstance(self.mem_fraction_static, bool) or not (
             isinstance(self.mem_fraction_static, (int, float)) and 0 < self.mem_fraction_static < 1
         ):
             raise ValueError(f"mem_fraction_static is {self.mem_fraction_static!r}; allowed: a number in (0, 1)")
-        for name in ("disable_radix_cache", "disable_overlap_schedule", "disable_cuda_graph", "enable_prefill_delayer"):
+        flags = ("disable_radix_cache", "disable_overlap_schedule", "disable_cuda_graph", "enable_prefill_delayer")
+        for name in (*flags, "disaggregation_decode_enable_radix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
 

@@ -101,8 +101,10 @@ class Engine:
             config.max_running_requests,
             config.chunked_prefill_size,
             config.long_prefill_token_threshold,
-            enable_radix_cache=not config.disable_radix_cache,
+            enable_radix_cache=not config.disable_radix_cache
+            and (config.disaggregation_mode != "decode" or config.disaggregation_decode_enable_radix_cache),
             delayer=self.delayer,
+            hold_kv_on_finish=config.disaggregation_mode == "prefill",
         )
         self.sampler = Sampler(self.device, config.seed)
         self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
@@ -111,6 +113,8 @@ class Engine:
             self.runner.graphs = DecodeGraphs(self.model, pool, kernels, max_bs, page_table.table.shape[1], True)
         self.overlap = not config.disable_overlap_schedule
         self._in_flight: Launched | None = None  # overlap: the launched step whose tokens are not read yet
+        # (request, tokens with KV) of the step read in the last pass: that KV is written now
+        self.kv_ready: list[tuple[Request, int]] = []
         self.eos_token_ids = set(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
@@ -156,8 +160,14 @@ class Engine:
         check_prompt(prompt_ids, params, self.model_config.vocab_size, self.context_length, self.kv_capacity_tokens)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        req = self.new_request(prompt_ids, params)
+        self.scheduler.add(req)
+        return req
+
+    def new_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """A checked request, not queued yet (``add_request`` queues it)."""
         self.check_request(prompt_ids, params)
-        req = Request(
+        return Request(
             rid=next(self._rids),
             prompt_ids=list(prompt_ids),
             params=params,
@@ -165,8 +175,6 @@ class Engine:
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
             detok=IncrementalDetokenizer(self.tokenizer, params.stop_strings) if self.detokenize else None,
         )
-        self.scheduler.add(req)
-        return req
 
     def abort(self, req: Request) -> None:
         self.scheduler.abort(req)
@@ -189,15 +197,17 @@ class Engine:
                 fb, samplers = self.runner.prepare(batch)
             self.scheduler.advance(batch)
             launched = self.runner.launch(fb, samplers)
+            launched.kv = [(req, req.num_computed) for req, _ in batch]
         if not self.overlap:
             self._in_flight, launched = launched, None
         with step_range("process_results"):
             done = self._commit(self._in_flight) if self._in_flight is not None else []
+            self.kv_ready = self._in_flight.kv if self._in_flight is not None else []
         self._in_flight = launched
         return done
 
     def _commit(self, step: Launched) -> list[Request]:
-        return self.scheduler.commit(step.samplers, self.runner.resolve(step), self._stop_reason)
+        return self.scheduler.commit(step.samplers, self.runner.resolve(step), self.stop_reason)
 
     def drain_delayer_outcomes(self) -> list:
         """The prefill delayer's per-pass outcomes since the last call (for metrics)."""
@@ -218,7 +228,8 @@ class Engine:
             "kv_pages_cached": cache.total_pages if cache is not None else 0,
         }
 
-    def _stop_reason(self, req: Request) -> str | None:
+    def stop_reason(self, req: Request) -> str | None:
+        """Why ``req`` stops after its newest token (None: it goes on)."""
         token, p = req.token_ids[-1], req.params
         if req.detok is not None:
             req.detok.add([token])

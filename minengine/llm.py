@@ -32,6 +32,11 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str = "tiny", **config):
         self.config = EngineConfig.from_kwargs(model=model, **config)
+        if self.config.disaggregation_mode != "null":
+            raise ValueError(
+                f"disaggregation_mode is {self.config.disaggregation_mode!r}; LLM runs whole requests, allowed: "
+                "'null' (prefill and decode servers are started with python -m minengine.serve)"
+            )
         self.engine: Engine | None = None
         self._workers: _Workers | None = None
         if self.config.dp_size == 1:

@@ -10,7 +10,7 @@ tokens. On CPU the same path simply runs synchronously.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class Launched:
     samplers: list[Request]
     tokens: torch.Tensor  # host (pinned on CUDA)
     done: torch.cuda.Event | None
+    kv: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens with KV once it is done)
 
 
 class ModelRunner:

@@ -109,7 +109,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     workers = Workers(config, metrics)  # the schedulers load the model while we start up
     client = workers.client
     tokenizer = load_tokenizer(config.tokenizer or config.model)
-    state = ServerState(client, tokenizer, args.served_model_name or config.model, metrics)
+    state = ServerState(client, tokenizer, args.served_model_name or config.model, metrics, config.disaggregation_mode)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -78,3 +78,16 @@ def test_bench_attention_full_grid_smoke(tmp_path):
     assert {r["kind"] for r in grid} == set(bench.GRID_KINDS) and {r["page"] for r in grid} == {1, 16, 64}
     assert all(r["ms"] > 0 for r in grid)
     assert (tmp_path / "attention_smoke_grid.png").stat().st_size > 0
+
+
+def test_bench_disagg_smoke(tmp_path):
+    """Prefill + decode + router processes on CPU, decode radix cache off then on."""
+    pytest.importorskip("nixl")
+    bench = load_bench("bench_disagg")
+    report = bench.main(["--smoke", "--out", str(tmp_path)])
+    rows = {(r["workload"], r["decode_radix_cache"]): r for r in report["rows"]}
+    assert len(rows) == 4 and all(r["failed"] == 0 and r["completed"] > 0 for r in rows.values())
+    for workload in ("multi-turn", "generated-shared-prefix"):
+        # the decode radix cache saves transfers: later turns and shared prefixes are already there
+        assert rows[workload, True]["kv_pages"] < rows[workload, False]["kv_pages"]
+    assert "| multi-turn | on |" in (tmp_path / "disagg_smoke.md").read_text()

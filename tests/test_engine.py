@@ -211,10 +211,10 @@ def test_eos_stops_unless_ignored(llm):
     eos = next(iter(llm.engine.eos_token_ids))
     req = llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
     req.token_ids.append(eos)
-    assert llm.engine._stop_reason(req) == "stop"
+    assert llm.engine.stop_reason(req) == "stop"
     ignoring = llm.engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
     ignoring.token_ids.append(eos)
-    assert llm.engine._stop_reason(ignoring) is None
+    assert llm.engine.stop_reason(ignoring) is None
     while llm.engine.has_unfinished():  # drain them
         llm.engine.step()
 

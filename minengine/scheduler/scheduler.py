@@ -31,7 +31,10 @@ class Scheduler:
         long_prefill_threshold: int | None,
         enable_radix_cache: bool,
         delayer: PrefillDelayer | None = None,
+        hold_kv_on_finish: bool = False,
     ):
+        """``hold_kv_on_finish`` (a disaggregated prefill server): a finished request keeps its KV
+        pages in ``held`` until ``release_held``, while they are sent to the decode server."""
         self.page_size = page_size
         self.page_table = page_table
         self.max_running = max_running
@@ -40,8 +43,11 @@ class Scheduler:
         self.allocator = PageAllocator(num_pages)
         self.cache = RadixCache(page_size, self.allocator.free) if enable_radix_cache else None
         self.delayer = delayer
+        self.hold_kv_on_finish = hold_kv_on_finish
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held: list[Request] = []  # finished, KV kept until it has been sent (prefill server)
+        self.receiving: list[Request] = []  # KV preallocated, arriving from a prefill server (decode server)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -50,7 +56,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running)  # held / receiving requests run no steps
 
     # --- one step --------------------------------------------------------------------------
 
@@ -64,6 +70,8 @@ class Scheduler:
             RunningInfo(r.rid, r.num_pending, r.prefilling, len(r.pages), self.pages_for(r.max_len))
             for r in self.running
         ]
+        # requests whose KV is arriving count toward max_running and the KV reservation, run nothing
+        running += [RunningInfo(r.rid, 0, False, len(r.pages), self.pages_for(r.max_len)) for r in self.receiving]
         waiting = [
             WaitingInfo(
                 w.rid,
@@ -198,7 +206,23 @@ class Scheduler:
         self.page_table.write(req.slot, 0, pages)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Release a running request: its full pages go to the prefix cache (or are freed)."""
+        """Release a running request: its full pages go to the prefix cache (or are freed), or
+        with ``hold_kv_on_finish`` stay held for a KV transfer (see ``release_held``)."""
+        self.page_table.release(req.slot)
+        req.slot = None
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.running.remove(req)
+        if self.hold_kv_on_finish and reason != "abort":
+            self.held.append(req)
+        else:
+            self._release_kv(req)
+
+    def release_held(self, req: Request) -> None:
+        """A held request's KV has been sent (or will not be): cache or free its pages."""
+        self.held.remove(req)
+        self._release_kv(req)
+
+    def _release_kv(self, req: Request) -> None:
         if self.cache is not None:
             # KV exists (or is being written by a launched step) for every token the host knows
             computed = min(req.num_computed, len(req.token_ids))
@@ -208,22 +232,72 @@ class Scheduler:
             self.cache.unlock(req.node)
         else:
             self.allocator.free(req.pages)
+        req.pages, req.cached_pages, req.node = [], 0, None
+
+    # --- decode server: KV that arrives from a prefill server ----------------------------------
+
+    def preallocate(self, req: Request, reserved_tokens: int) -> bool:
+        """Admit a request whose prompt KV will arrive from a prefill server: match its prompt in
+        the prefix cache, lock the match, and allocate pages for the rest of the prompt plus
+        ``reserved_tokens`` generated tokens. False (nothing taken) if it does not fit now.
+
+        The capacity check is the policy's full-sequence check, made again after locking (a lock
+        makes cached pages unevictable). ``req.cached_pages * page_size`` tokens need no transfer.
+        """
+        if len(self.running) + len(self.receiving) >= self.max_running:
+            return False
+        pages, node = self.cache.match_prefix(req.prompt_ids) if self.cache is not None else ([], None)
+        if node is not None:
+            self.cache.lock(node)
+        final = self.pages_for(req.max_len)
+        outstanding = sum(self.pages_for(r.max_len) - len(r.pages) for r in (*self.running, *self.receiving))
+        evictable = self.cache.evictable_pages if self.cache is not None else 0
+        if self.allocator.num_free + evictable - outstanding < final - len(pages):
+            if node is not None:
+                self.cache.unlock(node)
+            return False
+        req.node, req.pages, req.cached_pages = node, list(pages), len(pages)
+        req.cached_tokens = len(pages) * self.page_size
+        req.slot = self.page_table.acquire()
+        self.page_table.write(req.slot, 0, req.pages)
+        req.status = Status.RUNNING
+        self.receiving.append(req)
+        self._grow(req, min(req.max_len, len(req.prompt_ids) + reserved_tokens))
+        return True
+
+    def activate(self, req: Request, first_token: int) -> None:
+        """The prompt's KV and the first token arrived: the request joins the decode batch."""
+        self.receiving.remove(req)
+        req.num_computed = len(req.prompt_ids)
+        req.token_ids.append(first_token)
+        self.running.append(req)
+
+    def drop_receiving(self, req: Request, reason: str = "abort") -> None:
+        """The transfer failed or was aborted and no write can still land: free the pages."""
+        self.receiving.remove(req)
         self.page_table.release(req.slot)
+        # its cached prefix stays the cache's; the rest never got (all of) its KV: free it
+        self.allocator.free(req.pages[req.cached_pages :])
+        if req.node is not None:
+            self.cache.unlock(req.node)
         req.pages, req.cached_pages, req.node, req.slot = [], 0, None, None
         req.status, req.finish_reason = Status.FINISHED, reason
-        self.running.remove(req)
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is; a running one releases its pages at once."""
-        if req.status is Status.RUNNING:
+        if req in self.receiving:
+            self.drop_receiving(req)
+        elif req.status is Status.RUNNING:
             self.finish(req, "abort")
+        elif req in self.held:
+            self.release_held(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
     def accounting(self) -> dict[str, int]:
         """Where every KV page is: free, held by running requests, held only by the prefix cache."""
-        owned = sum(len(r.pages) - r.cached_pages for r in self.running)
+        owned = sum(len(r.pages) - r.cached_pages for r in (*self.running, *self.held, *self.receiving))
         cached = self.cache.total_pages if self.cache else 0
         # NOTE: a running request locks the radix path of its cached prefix, so the pages of locked
         # nodes are exactly the cached pages that running requests use (tests check this).

@@ -22,8 +22,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minengine.engine import check_prompt
 from minengine.sampling_params import SamplingParams
-from minengine.server.frontend import Piece, SchedulerClient, SchedulerDied, generate
+from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
+from minengine.server.protocol import Bootstrap
 from minengine.tokenizer import Tokenizer
 
 DRAIN_SECONDS = 5.0
@@ -71,6 +72,10 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # disaggregation (set by minengine.router): where the KV comes from, and the pairing id
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -100,6 +105,7 @@ class ServerState:
     tokenizer: Tokenizer
     served_model_name: str
     metrics: Metrics
+    mode: str = "null"  # disaggregation mode: null | prefill | decode
     shutting_down: bool = False
     inflight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -193,6 +199,40 @@ class Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
+    bootstrap: Bootstrap | None = None
+
+
+ROOM_LIMIT = 2**63
+
+
+def bootstrap_of(state: ServerState, req: _Sampling, num_prompts: int) -> Bootstrap | None:
+    """The disaggregation fields of a request, checked against the server's mode."""
+    fields = {"bootstrap_host": req.bootstrap_host, "bootstrap_port": req.bootstrap_port}
+    fields["bootstrap_room"] = req.bootstrap_room
+    if state.mode == "null":
+        given = next((k for k, v in fields.items() if v is not None), None)
+        if given is not None:
+            why = f"{given} is only accepted by a server in --disaggregation-mode prefill or decode"
+            raise APIError(400, why, given)
+        return None
+    room = req.bootstrap_room
+    if room is None:
+        raise APIError(
+            400,
+            f"bootstrap_room is required on a {state.mode} server; send requests through minengine.router",
+            "bootstrap_room",
+        )
+    if not 0 <= room < ROOM_LIMIT:
+        raise APIError(400, f"bootstrap_room is {room}; allowed: 0..{ROOM_LIMIT - 1}", "bootstrap_room")
+    if req.n != 1 or num_prompts != 1:
+        raise APIError(400, f"a disaggregated request takes one prompt and n=1; got {num_prompts} and n={req.n}", "n")
+    host, port = req.bootstrap_host, req.bootstrap_port
+    if state.mode == "decode":
+        if not host:
+            raise APIError(400, "bootstrap_host is required on a decode server", "bootstrap_host")
+        if port is None or not 1 <= port <= 65535:
+            raise APIError(400, f"bootstrap_port is {port}; allowed: 1..65535", "bootstrap_port")
+    return Bootstrap(host or "", port or 0, room)
 
 
 # --- the app ----------------------------------------------------------------------------------
@@ -208,6 +248,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.exception_handler(SchedulerDied)
     async def _dead(_: Request, exc: SchedulerDied) -> JSONResponse:
         return error_response(500, f"the scheduler is not running: {exc}")
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return error_response(500, f"the request failed: {exc}")
 
     @app.get("/health")
     async def health() -> Response:
@@ -240,8 +284,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         if req.logprobs is not None:
             raise APIError(400, "logprobs is not supported", "logprobs")
         prompts = _completion_prompts(state.tokenizer, req.prompt)
+        bootstrap = bootstrap_of(state, req, len(prompts))
         params = sampling_params(req, req.max_tokens)
-        choices = _choices(state, prompts, params, req.n)
+        choices = _choices(state, prompts, params, req.n, bootstrap)
         return await _respond(state, raw, req, choices, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -260,8 +305,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None and state.client.ready is not None:  # as vLLM: the rest of the context
             max_tokens = max(1, state.client.ready.context_length - len(prompt_ids))
+        bootstrap = bootstrap_of(state, req, 1)
         params = sampling_params(req, max_tokens)
-        choices = _choices(state, [prompt_ids], params, req.n)
+        choices = _choices(state, [prompt_ids], params, req.n, bootstrap)
         return await _respond(state, raw, req, choices, chat=True)
 
     return app
@@ -289,18 +335,24 @@ def _completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[i
     return out
 
 
-def _choices(state: ServerState, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:
+def _choices(
+    state: ServerState, prompts: list[list[int]], params: SamplingParams, n: int, bootstrap: Bootstrap | None = None
+) -> list[Choice]:
     ready = state.client.ready
+    # a prefill server computes the prompt and one token; the decode server holds the rest
+    checked = replace(params, max_tokens=1) if state.mode == "prefill" else params
     for ids in prompts:
         try:
-            check_prompt(ids, params, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens)
+            check_prompt(ids, checked, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens)
         except ValueError as exc:
+            if bootstrap is not None:  # the other server is waiting for this request: tell it now
+                state.client.fail_room(bootstrap, str(exc))
             raise APIError(400, str(exc), "prompt") from None
     choices = []
     for ids in prompts:
         for j in range(n):
             seeded = replace(params, seed=params.seed + j) if params.seed is not None and j else params
-            choices.append(Choice(len(choices), ids, seeded))
+            choices.append(Choice(len(choices), ids, seeded, bootstrap))
     return choices
 
 
@@ -313,10 +365,10 @@ async def _pieces(state: ServerState, choices: list[Choice]) -> AsyncIterator[tu
         rid = uuid.uuid4().hex
         try:
             async for piece in generate(
-                state.client, state.tokenizer, state.metrics, rid, choice.prompt_ids, choice.params
+                state.client, state.tokenizer, state.metrics, rid, choice.prompt_ids, choice.params, choice.bootstrap
             ):
                 queue.put_nowait((choice.index, piece))
-        except SchedulerDied as exc:
+        except (SchedulerDied, RequestFailed) as exc:
             queue.put_nowait((choice.index, exc))
         finally:
             queue.put_nowait((choice.index, None))
@@ -328,7 +380,7 @@ async def _pieces(state: ServerState, choices: list[Choice]) -> AsyncIterator[tu
             index, item = await queue.get()
             if item is None:
                 open_choices -= 1
-            elif isinstance(item, SchedulerDied):
+            elif isinstance(item, (SchedulerDied, RequestFailed)):
                 raise item
             else:
                 yield index, item
@@ -432,7 +484,7 @@ async def _stream(
         if include_usage:
             yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
         yield "data: [DONE]\n\n"
-    except SchedulerDied as exc:
+    except (SchedulerDied, RequestFailed) as exc:
         error = {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
         yield f"data: {json.dumps(error)}\n\n"
     finally:

@@ -20,7 +20,17 @@ import zmq.asyncio
 from minengine.detokenizer import IncrementalDetokenizer
 from minengine.sampling_params import SamplingParams
 from minengine.server.metrics import Metrics
-from minengine.server.protocol import AbortRequest, AddRequest, Fatal, Ready, Shutdown, StepOutput, TokenUpdate
+from minengine.server.protocol import (
+    AbortRequest,
+    AddRequest,
+    Bootstrap,
+    FailRoom,
+    Fatal,
+    Ready,
+    Shutdown,
+    StepOutput,
+    TokenUpdate,
+)
 from minengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -28,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 class SchedulerDied(RuntimeError):
     pass
+
+
+class RequestFailed(RuntimeError):
+    """The scheduler dropped one request with a reason (a failed KV transfer, a peer's rejection)."""
 
 
 class SchedulerClient:
@@ -76,7 +90,9 @@ class SchedulerClient:
         self._dispatcher = asyncio.create_task(self._dispatch(is_alive))
         return self.ready
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    def submit(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, bootstrap: Bootstrap | None = None
+    ) -> asyncio.Queue:
         if self.dead:
             raise SchedulerDied(self.dead)
         if self.method == "least_loaded":
@@ -86,8 +102,13 @@ class SchedulerClient:
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid], self.owner[rid] = queue, worker
         self.load[worker] += 1
-        self.outboxes[worker].send(pickle.dumps(AddRequest(rid, prompt_ids, params)))
+        self.outboxes[worker].send(pickle.dumps(AddRequest(rid, prompt_ids, params, bootstrap)))
         return queue
+
+    def fail_room(self, bootstrap: Bootstrap, reason: str) -> None:
+        """A disaggregated request rejected here: the scheduler tells the other server."""
+        if not self.dead:
+            self.outboxes[0].send(pickle.dumps(FailRoom(bootstrap, reason)))
 
     def abort(self, rid: str) -> None:
         if self.queues.pop(rid, None) is not None:
@@ -119,6 +140,7 @@ class SchedulerClient:
                     self.stats[msg.rank] = msg.stats
                     self.metrics.set_gauges({k: sum(s.get(k, 0) for s in self.stats) for k in msg.stats})
                     self.metrics.record_delayer(msg.delayer)
+                    self.metrics.record_transfers(msg.kv_received, msg.kv_pages_sent)
                     for update in msg.updates:
                         if (queue := self.queues.get(update.rid)) is not None:
                             queue.put_nowait(update)
@@ -167,6 +189,7 @@ async def generate(
     rid: str,
     prompt_ids: list[int],
     params: SamplingParams,
+    bootstrap: Bootstrap | None = None,
 ) -> AsyncIterator[Piece]:
     """One choice: submit, then yield text pieces until a piece carries a ``finish_reason``.
 
@@ -174,7 +197,7 @@ async def generate(
     """
     arrival = time.perf_counter()
     detok = IncrementalDetokenizer(tokenizer, params.stop_strings)
-    queue = client.submit(rid, prompt_ids, replace(params, stop=None))
+    queue = client.submit(rid, prompt_ids, replace(params, stop=None), bootstrap)
     metrics.prompt_tokens.inc(len(prompt_ids))
     finished, last = False, None
     try:
@@ -183,6 +206,10 @@ async def generate(
             if isinstance(update, Fatal):
                 raise SchedulerDied(update.message)
             assert isinstance(update, TokenUpdate)
+            if update.error is not None:
+                finished = True  # the scheduler has dropped it already
+                metrics.aborted.inc()
+                raise RequestFailed(update.error)
             now, n = time.perf_counter(), len(update.new_token_ids)
             if n:
                 metrics.generation_tokens.inc(n)

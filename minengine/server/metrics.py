@@ -50,6 +50,28 @@ class Metrics:
             "minengine:prefill_delayer_wait_seconds", "time a prefill was held", buckets=_LATENCY_BUCKETS, registry=r
         )
 
+        self.kv_transfer_pages = Counter(
+            "minengine:kv_transfer_pages", "KV pages received from prefill servers", registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "minengine:kv_transfer_bytes", "KV bytes received from prefill servers", registry=r
+        )
+        self.kv_transfer_seconds = Histogram(
+            "minengine:kv_transfer_seconds",
+            "time from asking for a request's KV to having it",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_pages_sent = Counter("minengine:kv_transfer_pages_sent", "KV pages sent to decode servers", registry=r)
+
+    def record_transfers(self, received, pages_sent: int) -> None:
+        for pages, nbytes, seconds in received:
+            self.kv_transfer_pages.inc(pages)
+            self.kv_transfer_bytes.inc(nbytes)
+            self.kv_transfer_seconds.observe(seconds)
+        if pages_sent:
+            self.kv_pages_sent.inc(pages_sent)
+
     def record_delayer(self, outcomes) -> None:
         for o in outcomes:
             allow, actual = str(o.allow).lower(), str(o.actual_prefill).lower()

@@ -9,10 +9,29 @@ from minengine.scheduler.prefill_delayer import Outcome
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request's KV comes from: the prefill server's bootstrap endpoint and
+    the room id that pairs the two halves of the request."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
 class AddRequest:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams  # stop strings are the front end's: it makes the text
+    bootstrap: Bootstrap | None = None  # set on prefill and decode servers
+
+
+@dataclass(frozen=True)
+class FailRoom:
+    """The front end rejected a disaggregated request: tell the other server at once."""
+
+    bootstrap: Bootstrap
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -39,6 +58,7 @@ class TokenUpdate:
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" when this ends the request
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (sent with the first update)
+    error: str | None = None  # why an aborted request failed (KV transfer, rejection by the peer)
 
 
 @dataclass(frozen=True)
@@ -47,6 +67,8 @@ class StepOutput:
     updates: list[TokenUpdate]
     stats: dict[str, int] = field(default_factory=dict)
     delayer: list[Outcome] = field(default_factory=list)  # prefill-delayer passes since the last output
+    kv_received: list[tuple[int, int, float]] = field(default_factory=list)  # decode: (pages, bytes, seconds)
+    kv_pages_sent: int = 0  # prefill: pages sent since the last output
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from minengine.scheduler.prefill_delayer import WorkerInfo
 from minengine.server.protocol import (
     AbortRequest,
     AddRequest,
+    FailRoom,
     Fatal,
     Ready,
     Shutdown,
@@ -40,6 +41,7 @@ from minengine.server.protocol import (
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 LOCKSTEP_POLL_MS = 2
+PENDING_POLL_MS = 1
 
 
 def _die_with_parent() -> None:
@@ -95,37 +97,112 @@ def run_scheduler(
             torch.distributed.destroy_process_group()
 
 
+class LocalDriver:
+    """A server that runs whole requests itself (``disaggregation_mode`` null)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.live: dict[str, Request] = {}
+
+    def add(self, msg: AddRequest) -> list[TokenUpdate]:
+        self.live[msg.rid] = self.engine.add_request(msg.prompt_ids, msg.params)
+        return []
+
+    def abort(self, rid: str) -> list[TokenUpdate]:
+        if (req := self.live.pop(rid, None)) is None:
+            return []
+        self.engine.abort(req)
+        return [TokenUpdate(rid, [], "abort")]
+
+    def abort_all(self) -> list[TokenUpdate]:
+        return [u for rid in list(self.live) for u in self.abort(rid)]
+
+    def fail_room(self, msg: FailRoom) -> None:
+        pass
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def pending(self) -> bool:
+        """Waiting on something outside the engine (a KV transfer): poll often."""
+        return False
+
+    def sockets(self) -> list[zmq.Socket]:
+        """Sockets whose messages need a pass (a disaggregation peer's), beside the front end's."""
+        return []
+
+    def step(self) -> list[TokenUpdate]:
+        return engine_updates(self.engine, self.live)
+
+    def drain_transfer_stats(self) -> tuple[list, int]:
+        return [], 0
+
+    def close(self) -> None:
+        pass
+
+
+def engine_updates(engine: Engine, live: dict[str, Request]) -> list[TokenUpdate]:
+    """Run one engine pass; a token update for every request that got a token."""
+    rids = {id(req): rid for rid, req in live.items()}
+    updates = []
+    for req in engine.step():
+        rid = rids[id(req)]
+        first = len(req.output_ids) == 1
+        updates.append(TokenUpdate(rid, [req.token_ids[-1]], req.finish_reason, req.cached_tokens if first else 0))
+        if req.finished:
+            del live[rid]
+    return updates
+
+
+def make_driver(engine: Engine):
+    mode = engine.config.disaggregation_mode
+    if mode == "null":
+        return LocalDriver(engine)
+    from minengine.disagg.servers import DecodeDriver, PrefillDriver
+
+    return (PrefillDriver if mode == "prefill" else DecodeDriver)(engine)
+
+
 def _loop(engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, rank: int, lockstep: bool) -> None:
-    live: dict[str, Request] = {}
+    driver = make_driver(engine)
+    try:
+        _serve(engine, driver, inbox, outbox, parent_pid, rank, lockstep)
+    finally:
+        driver.close()
+
+
+def _serve(engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, rank: int, lockstep: bool):
+    last_stats: dict[str, int] = {}
+    poller, watched = zmq.Poller(), set()
+    poller.register(inbox, zmq.POLLIN)
     while os.getppid() == parent_pid:
         updates: list[TokenUpdate] = []
-        busy = engine.has_unfinished()
-        timeout = 0 if busy else LOCKSTEP_POLL_MS if lockstep else IDLE_POLL_MS
-        while inbox.poll(timeout):
+        for sock in driver.sockets():  # a peer's message wakes an idle loop too
+            if sock not in watched:
+                poller.register(sock, zmq.POLLIN)
+                watched.add(sock)
+        if driver.has_work():
             timeout = 0
+        else:
+            timeout = PENDING_POLL_MS if driver.pending() else LOCKSTEP_POLL_MS if lockstep else IDLE_POLL_MS
+        poller.poll(timeout)
+        while inbox.poll(0):
             msg = pickle.loads(inbox.recv())
             if isinstance(msg, AddRequest):
-                live[msg.rid] = engine.add_request(msg.prompt_ids, msg.params)
+                updates += driver.add(msg)
             elif isinstance(msg, AbortRequest):
-                if (req := live.pop(msg.rid, None)) is not None:
-                    engine.abort(req)
-                    updates.append(TokenUpdate(msg.rid, [], "abort"))
+                updates += driver.abort(msg.rid)
+            elif isinstance(msg, FailRoom):
+                driver.fail_room(msg)
             elif isinstance(msg, Shutdown):
-                for rid, req in live.items():
-                    engine.abort(req)
-                    updates.append(TokenUpdate(rid, [], "abort"))
+                updates += driver.abort_all()
                 outbox.send_pyobj(StepOutput(rank, updates, engine.stats()))
                 return
-        if engine.has_unfinished() or lockstep:
-            rids = {id(req): rid for rid, req in live.items()}
-            for req in engine.step():
-                rid = rids[id(req)]
-                first = len(req.output_ids) == 1
-                updates.append(
-                    TokenUpdate(rid, [req.token_ids[-1]], req.finish_reason, req.cached_tokens if first else 0)
-                )
-                if req.finished:
-                    del live[rid]
+        if driver.has_work() or driver.pending() or lockstep or watched:
+            updates += driver.step()
         outcomes = engine.drain_delayer_outcomes()
-        if updates or outcomes:
-            outbox.send_pyobj(StepOutput(rank, updates, engine.stats(), outcomes))
+        received, sent = driver.drain_transfer_stats()
+        stats = engine.stats()
+        if updates or outcomes or received or sent or stats != last_stats:  # gauges also move without tokens
+            outbox.send_pyobj(StepOutput(rank, updates, stats, outcomes, received, sent))
+            last_stats = stats

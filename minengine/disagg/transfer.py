@@ -1,0 +1,687 @@
+"""KV transfer between a prefill server and a decode server.
+
+Interfaces as in SGLang: a ``KVSender`` per request on the prefill side (``init``, ``send``,
+``poll``, ``abort``), a ``KVReceiver`` per request on the decode side (``init``,
+``send_metadata``, ``poll``, ``abort``), both reporting ``KVPoll`` states. Requests are matched
+by their ``bootstrap_room`` (a random id the router gives both sides).
+
+Control plane (ZMQ): the prefill server binds a ROUTER on its bootstrap port; each decode server
+connects one DEALER to it (identity: its agent name). Messages are pickled tuples:
+
+    decode -> prefill   ("hello", agent, metadata, layout, backend)   on connecting, and on "who"
+                        ("claim", room)   the decode half exists: wait for its metadata
+                        ("meta", room, dst_pages, decode_prefix_len)
+                        ("abort", room), ("ping",)
+    prefill -> decode   ("accepted", room)
+                        ("done", room, first_token, pages, bytes, num_writes)
+                        ("failed", room, reason), ("released", room, reason), ("pong",)
+                        ("who", room)   metadata from a peer it does not know (it restarted)
+
+Data plane: the prefill side WRITEs its pages straight into the decode pool with NIXL, one write
+per sent run of pages, each carrying the notification ``room:i``. The decode side calls a
+request's KV complete when the ``done`` message and every notification have arrived. The
+``fake`` backend moves nothing (queue-logic tests, warm-up).
+
+Safety rule: a side reports ``Failed`` (and so frees its pages) only once no write to or from
+those pages can still be running: the prefill side waits for its writes to end, the decode side
+for the prefill side's ``released`` / ``failed``. A decode side that gives up (a silent peer, a
+room nobody takes) sends ``abort`` and still waits for that answer, at most one more timeout (a
+dead peer writes nothing).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import pickle
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+logger = logging.getLogger(__name__)
+PING_SECONDS = 1.0
+
+
+class KVPoll(enum.IntEnum):
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where a KV pool's pages are: one descriptor per (page, layer), K and V of a page contiguous."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    base: int
+    layer_stride: int  # bytes
+    page_stride: int  # bytes
+    page_bytes: int  # one layer's K and V of one page
+    device_id: int
+    mem_type: str  # "DRAM" | "VRAM"
+
+    @classmethod
+    def of(cls, kv: torch.Tensor) -> KVLayout:
+        """The layout of a pool tensor ``[layers, pages, 2, page_size, kv_heads, head_dim]``."""
+        if not kv.is_contiguous():
+            raise ValueError("the KV pool must be contiguous to be registered for transfer")
+        layers, pages, _, page_size, heads, dim = kv.shape
+        item = kv.element_size()
+        return cls(
+            layers,
+            pages,
+            page_size,
+            heads,
+            dim,
+            str(kv.dtype).removeprefix("torch."),
+            kv.data_ptr(),
+            kv.stride(0) * item,
+            kv.stride(1) * item,
+            kv.stride(1) * item,
+            kv.device.index or 0,
+            "VRAM" if kv.device.type == "cuda" else "DRAM",
+        )
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.page_bytes * self.num_layers
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """Why pages of ``other`` cannot be written into pages of this layout (None: they can)."""
+        for name in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                return f"the prefill and decode servers differ in {name} ({theirs} vs {mine})"
+        return None
+
+    def descs(self, pages: list[int]) -> np.ndarray:
+        """``[len(pages) * layers, 3]`` (address, bytes, device) in page-major order."""
+        p = np.asarray(pages, dtype=np.uint64)[:, None]
+        layer = np.arange(self.num_layers, dtype=np.uint64)[None, :]
+        addr = self.base + layer * self.layer_stride + p * self.page_stride
+        out = np.empty((addr.size, 3), dtype=np.uint64)
+        out[:, 0] = addr.reshape(-1)
+        out[:, 1] = self.page_bytes
+        out[:, 2] = self.device_id
+        return out
+
+
+# --- data movers ---------------------------------------------------------------------------------
+
+
+class FakeMover:
+    """Moves no data: every write is done at once and no notification is expected."""
+
+    name = "fake"
+    notifies = False
+
+    def __init__(self, kv: torch.Tensor, agent_name: str):
+        self.agent_name = agent_name
+
+    def metadata(self) -> bytes:
+        return b""
+
+    def add_peer(self, metadata: bytes) -> str:
+        return ""
+
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes):
+        return None
+
+    def state(self, handle) -> str:
+        return "DONE"
+
+    def release(self, handle) -> None:
+        pass
+
+    def notifs(self) -> list[bytes]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class NixlMover:
+    """NIXL over UCX: registers the KV pool (host memory on CPU, device memory on GPU)."""
+
+    name = "nixl"
+    notifies = True
+
+    def __init__(self, kv: torch.Tensor, agent_name: str):
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise TransferError(
+                f"the nixl transfer backend needs the nixl package ({exc}); install it with "
+                "`pip install nixl`, or use --disaggregation-transfer-backend fake"
+            ) from None
+        self.agent_name = agent_name
+        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        self.mem_type = "VRAM" if kv.device.type == "cuda" else "DRAM"
+        self._registered = self.agent.register_memory(kv)
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes):
+        src = self.agent.get_xfer_descs(local, self.mem_type)
+        dst = self.agent.get_xfer_descs(remote, self.mem_type)
+        handle = self.agent.initialize_xfer("WRITE", src, dst, peer, notif)
+        if self.agent.transfer(handle) == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise TransferError(f"NIXL could not post a write to {peer}")
+        return handle
+
+    def state(self, handle) -> str:
+        return self.agent.check_xfer_state(handle)
+
+    def release(self, handle) -> None:
+        self.agent.release_xfer_handle(handle)
+
+    def notifs(self) -> list[bytes]:
+        return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self._registered)
+
+
+def make_mover(backend: str, kv: torch.Tensor, role: str):
+    name = f"minengine-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return (NixlMover if backend == "nixl" else FakeMover)(kv, name)
+
+
+# --- prefill side --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Peer:
+    """A decode server connected to this prefill server."""
+
+    agent: str
+    layout: KVLayout
+    error: str | None
+    last_heard: float
+
+
+class KVSender:
+    """One request's KV on its way from this prefill server to a decode server."""
+
+    def __init__(self, mgr: PrefillTransfer, room: int):
+        self.mgr, self.room = mgr, room
+        self.state = KVPoll.Bootstrapping
+        self.created = time.monotonic()
+        self.peer: bytes | None = None  # the decode server's identity once its metadata arrived
+        self.dst_pages: list[int] = []
+        self.decode_prefix_len = 0
+        self.sent = 0  # pages sent so far (after the decode side's prefix)
+        self.writes: list = []  # NIXL handles in flight (or stuck and not cancellable yet)
+        self.num_writes = 0
+        self.bytes = 0
+        self.first_token: int | None = None
+        self.error: str | None = None
+        self.reply = "failed"  # what the decode side hears when this fails ("released": it aborted)
+        self.last_progress = self.created
+
+    # SGLang's names: init, send, poll, abort
+    def init(self, num_prompt_tokens: int) -> None:
+        self.num_prompt_pages = -(-num_prompt_tokens // self.mgr.layout.page_size)
+
+    @property
+    def start_page(self) -> int:
+        """The first prompt page the decode side lacks."""
+        return self.decode_prefix_len // self.mgr.layout.page_size
+
+    def send(self, pages: list[int]) -> None:
+        """Write the next ``len(pages)`` prompt pages (local page ids) to the decode server."""
+        if self.state not in (KVPoll.WaitingForInput, KVPoll.Transferring) or self.error is not None or not pages:
+            return
+        remote = self.dst_pages[self.sent : self.sent + len(pages)]
+        if len(remote) != len(pages):
+            self.fail(f"{self.sent + len(pages)} pages sent but the decode side allocated {len(self.dst_pages)}")
+            return
+        peer = self.mgr.peers[self.peer]
+        notif = f"{self.room}:{self.num_writes}".encode()
+        try:
+            handle = self.mgr.mover.write(peer.agent, self.mgr.layout.descs(pages), peer.layout.descs(remote), notif)
+        except Exception as exc:  # NIXL raises its own errors: the request fails, the server goes on
+            self.fail(f"a KV write could not be posted: {exc}")
+            return
+        self.writes.append(handle)
+        self.num_writes += 1
+        self.sent += len(pages)
+        self.bytes += len(pages) * self.mgr.layout.bytes_per_page if self.mgr.mover.notifies else 0
+        self.state = KVPoll.Transferring
+        self.last_progress = time.monotonic()
+
+    def finish(self, first_token: int) -> None:
+        """Every prompt page has been sent: once the writes land, hand over the first token."""
+        self.first_token = first_token
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def abort(self, why: str = "the request was aborted on the prefill server") -> None:
+        self.fail(why)
+
+    def fail(self, why: str) -> None:
+        if self.state not in (KVPoll.Failed, KVPoll.Success) and self.error is None:
+            self.error = why
+            logger.info("room %d: %s", self.room, why)
+
+    def _progress(self, now: float) -> None:
+        mover = self.mgr.mover
+        still = []
+        for handle in self.writes:
+            try:
+                state = mover.state(handle)
+            except Exception as exc:
+                state = f"ERR: {exc}"
+            if state == "PROC":
+                still.append(handle)
+                continue
+            if not _release(mover, handle):
+                still.append(handle)  # not released: keep polling it
+                continue
+            self.last_progress = now
+            if state != "DONE":
+                self.fail(f"a KV write to the decode server failed ({state})")
+        self.writes = still
+        if still and now - self.last_progress > self.mgr.timeout:
+            self.fail(f"a KV write made no progress for {self.mgr.timeout:g} s")
+            # cancel what NIXL lets us cancel; a write it cannot cancel stays, and so does our KV
+            self.writes = [h for h in still if not _release(mover, h)]
+            self.last_progress = now
+        if self.error is not None:
+            if not self.writes and self.state is not KVPoll.Failed:  # nothing can land any more
+                self.state = KVPoll.Failed
+                if self.peer is not None:
+                    self.mgr.send(self.peer, (self.reply, self.room, self.error))
+            return
+        if self.first_token is not None and not self.writes and self.state is not KVPoll.Success:
+            if self.sent != len(self.dst_pages):
+                self.fail(f"sent {self.sent} pages but the decode side expects {len(self.dst_pages)}")
+                return
+            self.state = KVPoll.Success
+            self.mgr.send(self.peer, ("done", self.room, self.first_token, self.sent, self.bytes, self.num_writes))
+        elif self.state is KVPoll.Bootstrapping and now - self.created > self.mgr.timeout:
+            claimer = self.mgr.claims.get(self.room)  # a decode server holds it while it waits for KV space
+            if claimer is None or now - self.mgr.peers[claimer].last_heard > self.mgr.timeout:
+                self.fail(f"no decode server asked for room {self.room} within {self.mgr.timeout:g} s")
+        elif self.peer is not None and now - self.mgr.peers[self.peer].last_heard > self.mgr.timeout:
+            self.fail(f"the decode server was silent for {self.mgr.timeout:g} s")
+
+
+def _release(mover, handle) -> bool:
+    """Release a write handle; False if NIXL refuses (the write may still be running)."""
+    try:
+        mover.release(handle)
+        return True
+    except Exception as exc:
+        logger.warning("could not release a KV write: %s", exc)
+        return False
+
+
+class PrefillTransfer:
+    """The prefill server's bootstrap endpoint and its senders."""
+
+    def __init__(self, kv: torch.Tensor, backend: str, port: int, timeout: float):
+        self.layout = KVLayout.of(kv)
+        self.timeout = timeout
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self.sock.bind(f"tcp://*:{port}")
+        except zmq.ZMQError as exc:
+            self.sock.close()
+            self.ctx.term()
+            raise TransferError(
+                f"cannot listen on bootstrap port {port} ({exc}); choose another with --disaggregation-bootstrap-port"
+            ) from None
+        self.mover = make_mover(backend, kv, "prefill")
+        self.peers: dict[bytes, _Peer] = {}
+        self.senders: dict[int, KVSender] = {}
+        self.early: dict[int, tuple[bytes, list[int], int, float]] = {}  # metadata before the request
+        self.claims: dict[int, bytes] = {}  # room -> the decode server waiting to send its metadata
+        self.dead_rooms: dict[int, tuple[str, float]] = {}  # failed or aborted before the metadata came
+        self.pages_sent = 0  # for the metrics
+
+    def sender(self, room: int, num_prompt_tokens: int) -> KVSender:
+        if room in self.senders:
+            raise ValueError(f"bootstrap_room {room} is already in use on this prefill server")
+        s = self.senders[room] = KVSender(self, room)
+        s.init(num_prompt_tokens)
+        if room in self.dead_rooms:
+            s.fail(self.dead_rooms.pop(room)[0])
+        elif room in self.early:
+            self._attach(s, *self.early.pop(room)[:3])
+        return s
+
+    def reject(self, room: int, why: str) -> None:
+        """A request this server will not run: tell the decode side now or when it asks."""
+        if room in self.early:
+            peer = self.early.pop(room)[0]
+            self.send(peer, ("failed", room, why))
+        else:
+            self.dead_rooms[room] = (why, time.monotonic())
+
+    def forget(self, room: int) -> None:
+        """Drop a finished sender; a failed one that never met its decode server is remembered, so
+        metadata arriving later is answered with the reason."""
+        self.claims.pop(room, None)
+        s = self.senders.pop(room, None)
+        if s is not None and s.state is KVPoll.Failed and s.peer is None:
+            self.dead_rooms[room] = (s.error, time.monotonic())
+
+    def send(self, peer: bytes, msg: tuple) -> None:
+        self.sock.send_multipart([peer, pickle.dumps(msg)], flags=zmq.NOBLOCK)
+
+    def busy(self) -> bool:
+        return any(s.writes for s in self.senders.values())
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        while self.sock.poll(0):
+            peer, raw = self.sock.recv_multipart()
+            self._handle(peer, pickle.loads(raw), now)
+        for s in list(self.senders.values()):
+            s._progress(now)
+        for table in (self.early, self.dead_rooms):
+            for room in [r for r, v in table.items() if now - v[-1] > self.timeout]:
+                entry = table.pop(room)
+                if table is self.early:
+                    self.send(entry[0], ("failed", room, f"the prefill server never received request room {room}"))
+        for room in [r for r, peer in self.claims.items() if now - self.peers[peer].last_heard > self.timeout]:
+            del self.claims[room]  # its decode server went quiet
+
+    def _handle(self, peer: bytes, msg: tuple, now: float) -> None:
+        kind = msg[0]
+        if kind == "hello":
+            _, agent, metadata, layout, backend = msg
+            error = self.layout.mismatch(layout)
+            if backend != self.mover.name:
+                error = f"the prefill server uses the {self.mover.name} transfer backend, the decode server {backend}"
+            name = ""
+            if error is None:
+                try:
+                    name = self.mover.add_peer(metadata)
+                except Exception as exc:  # a bad or unreachable agent: its requests fail
+                    error = f"cannot connect to the decode server's NIXL agent: {exc}"
+            self.peers[peer] = _Peer(name, layout, error, now)
+            return
+        if peer in self.peers:
+            self.peers[peer].last_heard = now
+        if kind == "ping":
+            self.send(peer, ("pong",))
+        elif kind in ("claim", "meta") and peer not in self.peers:
+            self.send(peer, ("who", msg[1]))  # we restarted since its hello: it says hello again and retries
+        elif kind == "claim":
+            self.claims[msg[1]] = peer
+        elif kind == "meta":
+            _, room, dst_pages, decode_prefix_len = msg
+            bad = [p for p in dst_pages if not (isinstance(p, int) and 0 <= p < self.peers[peer].layout.num_pages)]
+            if bad:
+                self.send(peer, ("failed", room, f"page ids {bad[:4]} are outside the decode pool"))
+            elif self.peers[peer].error is not None:
+                self.send(peer, ("failed", room, self.peers[peer].error))
+            elif room in self.dead_rooms:
+                self.send(peer, ("failed", room, self.dead_rooms.pop(room)[0]))
+            elif room in self.senders:
+                self._attach(self.senders[room], peer, dst_pages, decode_prefix_len)
+            else:
+                self.early[room] = (peer, dst_pages, decode_prefix_len, now)
+        elif kind == "abort":
+            room = msg[1]
+            self.claims.pop(room, None)
+            if (s := self.senders.get(room)) is not None and s.state is not KVPoll.Failed:
+                s.reply, s.peer = "released", s.peer or peer
+                s.fail("aborted by the decode server")
+            else:
+                self.early.pop(room, None)
+                self.dead_rooms[room] = ("aborted by the decode server", now)
+                self.send(peer, ("released", room, "aborted"))
+
+    def _attach(self, s: KVSender, peer: bytes, dst_pages: list[int], decode_prefix_len: int) -> None:
+        if s.peer is not None:
+            if s.peer == peer and s.dst_pages == list(dst_pages):
+                return  # the same metadata again (re-sent after a "who"): nothing new
+            self.send(peer, ("failed", s.room, f"room {s.room} already has a decode server"))
+            return
+        s.peer, s.dst_pages, s.decode_prefix_len = peer, list(dst_pages), decode_prefix_len
+        if s.error is not None:
+            if s.state is KVPoll.Failed:  # already final: tell the peer now
+                self.send(peer, ("failed", s.room, s.error))
+            return  # otherwise _progress tells the peer once the failure is final
+        if s.start_page + len(s.dst_pages) != s.num_prompt_pages:
+            s.fail(
+                f"the decode server asked for {len(s.dst_pages)} pages after a {decode_prefix_len}-token prefix, "
+                f"but the prompt has {s.num_prompt_pages} pages"
+            )
+            return
+        s.state = KVPoll.WaitingForInput
+        self.send(peer, ("accepted", s.room))
+
+    def close(self) -> None:
+        self.mover.close()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+# --- decode side ---------------------------------------------------------------------------------
+
+
+class KVReceiver:
+    """One request's KV on its way from a prefill server into this decode server's pool."""
+
+    def __init__(self, mgr: DecodeTransfer, addr: str, room: int):
+        self.mgr, self.addr, self.room = mgr, addr, room
+        self.state = KVPoll.Bootstrapping
+        self.error: str | None = None
+        self.first_token: int | None = None
+        self.pages = self.bytes = 0
+        self.writes_expected: int | None = None
+        self.writes_seen = 0
+        self.meta: tuple | None = None  # the metadata message, once sent (re-sent if the peer restarted)
+        self.meta_sent_at: float | None = None
+        self.accepted = False
+        self.aborting = False
+        self.give_up_at: float | None = None  # aborting: when a silent peer is presumed dead
+        self.seconds = 0.0
+
+    @property
+    def outstanding(self) -> bool:
+        return self.state not in (KVPoll.Failed, KVPoll.Success)
+
+    def init(self) -> None:
+        """Connect, and tell the prefill server this request exists (it waits for our metadata
+        while we wait for KV space, instead of timing out)."""
+        self.mgr._connect(self.addr)
+        if not any(r.addr == self.addr and r.outstanding for r in self.mgr.receivers.values() if r is not self):
+            self.mgr.conns[self.addr].last_heard = time.monotonic()  # silence counts from now, not from idle time
+        self.mgr._send(self.addr, ("claim", self.room))
+
+    def send_metadata(self, page_indices: list[int], decode_prefix_len: int) -> None:
+        """Ask for the prompt pages after ``decode_prefix_len`` tokens, into ``page_indices``."""
+        self.meta_sent_at = time.monotonic()
+        self.state = KVPoll.WaitingForInput
+        self.meta = ("meta", self.room, list(page_indices), decode_prefix_len)
+        self.mgr._send(self.addr, self.meta)
+
+    def poll(self) -> KVPoll:
+        return self.state
+
+    def abort(self, why: str = "aborted") -> None:
+        """Stop the transfer; ``poll`` turns ``Failed`` once no write into our pages can land: the
+        prefill side confirms, or stays silent for one more timeout."""
+        if not self.outstanding or self.aborting:
+            return
+        self.aborting = True
+        self.error = self.error or why
+        self.mgr._send(self.addr, ("abort", self.room))
+        if self.meta is None:  # no pages of ours were ever named to the prefill side
+            self.state = KVPoll.Failed
+        else:
+            self.give_up_at = time.monotonic() + self.mgr.timeout
+
+    def _final(self, why: str) -> None:
+        """The prefill side says no write of this request can land any more."""
+        if self.outstanding:
+            self.error = self.error if self.aborting else why
+            self.state = KVPoll.Failed
+
+    def _check_done(self) -> None:
+        if (
+            self.first_token is not None
+            and self.writes_expected is not None
+            and self.writes_seen >= self.writes_expected
+            and self.outstanding
+        ):
+            self.state = KVPoll.Success
+            self.seconds = time.monotonic() - (self.meta_sent_at or time.monotonic())
+
+
+@dataclass
+class _Conn:
+    sock: zmq.Socket
+    last_heard: float
+    last_ping: float
+
+
+class DecodeTransfer:
+    """The decode server's connections to prefill servers and its receivers."""
+
+    def __init__(self, kv: torch.Tensor, backend: str, timeout: float):
+        self.layout = KVLayout.of(kv)
+        self.timeout = timeout
+        self.ctx = zmq.Context()
+        self.mover = make_mover(backend, kv, "decode")
+        self.conns: dict[str, _Conn] = {}
+        self.receivers: dict[int, KVReceiver] = {}
+        self.notif_counts: dict[int, int] = {}
+
+    def receiver(self, host: str, port: int, room: int) -> KVReceiver:
+        if room in self.receivers:
+            raise ValueError(f"bootstrap_room {room} is already in use on this decode server")
+        r = self.receivers[room] = KVReceiver(self, f"tcp://{host}:{port}", room)
+        return r
+
+    def forget(self, room: int) -> None:
+        self.receivers.pop(room, None)
+        self.notif_counts.pop(room, None)
+
+    def abort_room(self, host: str, port: int, room: int) -> None:
+        """Tell a prefill server to drop a room this server will not take."""
+        addr = f"tcp://{host}:{port}"
+        self._connect(addr)
+        self._send(addr, ("abort", room))
+
+    def _hello(self, addr: str) -> None:
+        hello = ("hello", self.mover.agent_name, self.mover.metadata(), self.layout, self.mover.name)
+        self._send(addr, hello)
+
+    def _connect(self, addr: str) -> None:
+        if addr in self.conns:
+            return
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.mover.agent_name.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+        now = time.monotonic()
+        self.conns[addr] = _Conn(sock, now, now)
+        self._hello(addr)
+
+    def _send(self, addr: str, msg: tuple) -> None:
+        try:
+            self.conns[addr].sock.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:  # the peer is not reachable yet: its silence fails the request later
+            logger.warning("could not send %s to %s", msg[0], addr)
+
+    def busy(self) -> bool:
+        return any(r.state in (KVPoll.WaitingForInput, KVPoll.Transferring) for r in self.receivers.values())
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for addr, conn in self.conns.items():
+            while conn.sock.poll(0):
+                conn.last_heard = now
+                self._handle(addr, pickle.loads(conn.sock.recv()))
+        for msg in self.mover.notifs():
+            room = int(msg.split(b":", 1)[0])
+            if room in self.receivers:
+                self.notif_counts[room] = self.notif_counts.get(room, 0) + 1
+                self.receivers[room].writes_seen = self.notif_counts[room]
+                self.receivers[room]._check_done()
+        waiting = {r.addr for r in self.receivers.values() if r.outstanding}
+        for addr in waiting:
+            conn = self.conns[addr]
+            if now - conn.last_ping > min(PING_SECONDS, self.timeout / 4):
+                conn.last_ping = now
+                self._send(addr, ("ping",))
+        for r in self.receivers.values():
+            if not r.outstanding:
+                continue
+            if r.aborting:
+                if r.give_up_at is not None and now > r.give_up_at:  # the peer is gone: nothing can land
+                    r.state = KVPoll.Failed
+            elif now - self.conns[r.addr].last_heard > self.timeout:
+                r.abort(f"the prefill server at {r.addr} was silent for {self.timeout:g} s")
+            elif r.meta_sent_at is not None and not r.accepted and now - r.meta_sent_at > self.timeout:
+                r.abort(f"the prefill server at {r.addr} did not take room {r.room} within {self.timeout:g} s")
+
+    def _handle(self, addr: str, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "pong":
+            return
+        if kind == "who":  # the prefill server restarted: introduce ourselves again, repeat what it lost
+            self._hello(addr)
+            for r in self.receivers.values():
+                if r.addr == addr and r.outstanding and not r.aborting:
+                    self._send(addr, ("claim", r.room))
+                    if r.meta is not None:
+                        self._send(addr, r.meta)
+            return
+        r = self.receivers.get(msg[1])
+        if r is None:
+            return
+        if kind == "accepted":
+            r.accepted = True
+            if r.state is KVPoll.WaitingForInput:
+                r.state = KVPoll.Transferring
+        elif kind == "done":  # every write has landed
+            _, _, r.first_token, r.pages, r.bytes, writes = msg
+            r.accepted = True
+            r.writes_expected = writes if self.mover.notifies else 0
+            r.writes_seen = self.notif_counts.get(r.room, 0)
+            if r.aborting:
+                r._final("aborted")
+            else:
+                r._check_done()
+        elif kind == "failed":
+            r._final(f"the prefill server failed the request: {msg[2]}")
+        elif kind == "released":
+            r._final("aborted")
+
+    def close(self) -> None:
+        self.mover.close()
+        for conn in self.conns.values():
+            conn.sock.close(linger=0)
+        self.ctx.term()

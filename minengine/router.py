@@ -1,0 +1,370 @@
+"""``python -m minengine.router``: one OpenAI endpoint in front of prefill and decode servers.
+
+    python -m minengine.router --prefill http://127.0.0.1:30000 8998 --decode http://127.0.0.1:30001 --port 8000
+
+Per request it picks a prefill server and a decode server, adds ``bootstrap_host`` /
+``bootstrap_port`` (the prefill server's KV handshake endpoint) and a random ``bootstrap_room``,
+sends the request to both, and answers with the decode server's response (streamed when asked).
+The prefill half runs with ``stream`` off and one token; if it fails before the decode half
+answers, its error is the answer. A client that goes away cancels both halves.
+
+Routing is prefix-aware: each server remembers the (hashed, 16-character) prefixes of the
+prompts it was sent, and a request goes to the server that shares the longest prefix with it,
+so the turns of a conversation meet their own KV in the decode server's radix cache. With no
+shared prefix, or when that server is much busier than the others, the least busy one is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.background import BackgroundTask
+
+from minengine.server.api import error_response
+
+logger = logging.getLogger("minengine.router")
+BLOCK_CHARS = 16  # prefix granularity of the routing table
+MAX_PREFIXES = 1 << 18  # remembered prefix blocks per server (least recently used go first)
+IMBALANCE = 8  # prefer the prefix match unless its server has this many more requests in flight
+PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefill half's answer
+
+
+@dataclass
+class Backend:
+    url: str
+    bootstrap_port: int | None = None  # prefill servers only
+    in_flight: int = 0
+    prefixes: OrderedDict = field(default_factory=OrderedDict)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    def matched_blocks(self, chain: list[int]) -> int:
+        n = 0
+        while n < len(chain) and chain[n] in self.prefixes:
+            n += 1
+        return n
+
+    def remember(self, chain: list[int]) -> None:
+        for h in chain:
+            self.prefixes[h] = None
+            self.prefixes.move_to_end(h)
+        while len(self.prefixes) > MAX_PREFIXES:
+            self.prefixes.popitem(last=False)
+
+
+def prefix_chain(key: str) -> list[int]:
+    """Chained hashes of the key's whole 16-character blocks: equal leading entries, equal prefixes."""
+    chain, h = [], 0
+    for i in range(0, len(key) - BLOCK_CHARS + 1, BLOCK_CHARS):
+        h = hash((h, key[i : i + BLOCK_CHARS]))
+        chain.append(h)
+    return chain
+
+
+class Picker:
+    def __init__(self, backends: list[Backend]):
+        self.backends = backends
+        self._next = 0
+
+    def pick(self, key: str) -> Backend:
+        chain = prefix_chain(key)
+        least = min(b.in_flight for b in self.backends)
+        best, best_n = None, 0
+        for b in self.backends:
+            n = b.matched_blocks(chain)
+            if n > best_n and b.in_flight <= least + IMBALANCE:
+                best, best_n = b, n
+        if best is None:  # no shared prefix: the least busy, round-robin among equals
+            order = self.backends[self._next :] + self.backends[: self._next]
+            best = min(order, key=lambda b: b.in_flight)
+            self._next = (self.backends.index(best) + 1) % len(self.backends)
+        best.remember(chain)
+        return best
+
+
+def routing_key(body: dict) -> str:
+    """The text whose prefix decides where a request goes."""
+    if "messages" in body:
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else m
+            text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+            parts.append(f"{m.get('role') if isinstance(m, dict) else ''}\x00{text}\x01")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+class Router:
+    def __init__(self, prefills: list[Backend], decodes: list[Backend], timeout: float | None = None):
+        self.prefill, self.decode = Picker(prefills), Picker(decodes)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("minengine_router:requests", "requests routed", ["prefill", "decode"], registry=r)
+        self.failures = Counter("minengine_router:failures", "requests answered with an error", ["server"], registry=r)
+        self._background: set[asyncio.Task] = set()
+
+    async def forward(self, path: str, raw: Request) -> Response:
+        try:
+            body = json.loads(await raw.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"malformed JSON body: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object")
+        key = routing_key(body)
+        p, d = self.prefill.pick(key), self.decode.pick(key)
+        self.requests.labels(prefill=p.url, decode=d.url).inc()
+        boot = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port, "bootstrap_room": secrets.randbits(63)}
+        prefill_body = {**body, **boot, "stream": False}
+        prefill_body.pop("stream_options", None)
+        decode_body = {**body, **boot}
+        p.in_flight += 1
+        d.in_flight += 1
+        prefill = asyncio.create_task(self.client.post(p.url + path, json=prefill_body))
+        prefill.add_done_callback(lambda _: setattr(p, "in_flight", p.in_flight - 1))
+        try:
+            if body.get("stream"):
+                return await self._stream(path, d, decode_body, prefill, p)
+            return await self._unary(path, raw, d, decode_body, prefill, p)
+        except BaseException:
+            prefill.cancel()
+            raise
+
+    async def _unary(self, path, raw, d: Backend, body, prefill: asyncio.Task, p: Backend) -> Response:
+        decode = asyncio.create_task(self.client.post(d.url + path, json=body))
+        try:
+            while not decode.done():
+                await asyncio.wait({decode, prefill} if not prefill.done() else {decode}, timeout=0.05)
+                failed = _failure(prefill, p) if prefill.done() else None
+                if failed is not None and not decode.done():
+                    decode.cancel()
+                    self.failures.labels(server=p.url).inc()
+                    return failed
+                if not decode.done() and await raw.is_disconnected():
+                    decode.cancel()
+                    prefill.cancel()
+                    return Response(status_code=499)
+            try:
+                resp = decode.result()
+            except httpx.HTTPError as exc:
+                self.failures.labels(server=d.url).inc()
+                return error_response(502, f"the decode server {d.url} failed: {exc!r}")
+        finally:
+            d.in_flight -= 1
+            self._finish_in_background(prefill)
+        if resp.status_code != 200:
+            # the decode half failed: if the prefill half failed too, its error is the cause
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(prefill), PREFILL_GRACE_SECONDS)
+            if prefill.done() and (failed := _failure(prefill, p)) is not None:
+                self.failures.labels(server=p.url).inc()
+                return failed
+            self.failures.labels(server=d.url).inc()
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    async def _stream(self, path, d: Backend, body, prefill: asyncio.Task, p: Backend) -> Response:
+        try:
+            resp = await self.client.send(self.client.build_request("POST", d.url + path, json=body), stream=True)
+        except httpx.HTTPError as exc:
+            d.in_flight -= 1
+            prefill.cancel()
+            self.failures.labels(server=d.url).inc()
+            return error_response(502, f"the decode server {d.url} failed: {exc!r}")
+        if resp.status_code != 200:
+            content = await resp.aread()
+            await resp.aclose()
+            d.in_flight -= 1
+            prefill.cancel()
+            self.failures.labels(server=d.url).inc()
+            return Response(content, status_code=resp.status_code, media_type="application/json")
+
+        closed = False
+
+        async def cleanup() -> None:  # idempotent: the relay's end, or the response's background task
+            nonlocal closed
+            if not closed:
+                closed = True
+                await resp.aclose()  # the decode server sees the disconnect and aborts
+                d.in_flight -= 1
+                self._finish_in_background(prefill)
+
+        async def relay():
+            chunks, nxt = resp.aiter_raw().__aiter__(), None
+            try:
+                while True:
+                    nxt = asyncio.ensure_future(chunks.__anext__())
+                    await asyncio.wait({nxt} if prefill.done() else {nxt, prefill}, return_when="FIRST_COMPLETED")
+                    if not nxt.done():  # the prefill half ended first: did it fail?
+                        if (failed := _failure(prefill, p)) is not None:
+                            self.failures.labels(server=p.url).inc()
+                            yield b"data: " + bytes(failed.body) + b"\n\n"
+                            return
+                        await asyncio.wait({nxt})
+                    try:
+                        yield nxt.result()
+                    except StopAsyncIteration:
+                        return
+            finally:
+                if nxt is not None and not nxt.done():
+                    nxt.cancel()
+                await cleanup()
+
+        return StreamingResponse(relay(), media_type="text/event-stream", background=BackgroundTask(cleanup))
+
+    def _finish_in_background(self, task: asyncio.Task) -> None:
+        """Let the prefill half end on its own (cancelling it would abort a finished transfer)."""
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors are logged by the server
+        if task.done():
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def health(self) -> Response:
+        servers = [b.url for b in (*self.prefill.backends, *self.decode.backends)]
+
+        async def ok(url: str) -> bool:
+            try:
+                return (await self.client.get(url + "/health", timeout=2)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        states = await asyncio.gather(*(ok(u) for u in servers))
+        down = [u for u, up in zip(servers, states, strict=True) if not up]
+        if down:
+            return error_response(503, f"not healthy: {', '.join(down)}")
+        return Response(status_code=200)
+
+    async def models(self) -> Response:
+        d = self.decode.backends[0]
+        try:
+            resp = await self.client.get(d.url + "/v1/models", timeout=5)
+        except httpx.HTTPError as exc:
+            return error_response(502, f"the decode server {d.url} failed: {exc!r}")
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await self.client.aclose()
+
+
+def _failure(task: asyncio.Task, p: Backend) -> Response | None:
+    """The prefill half's error response, or None if it succeeded."""
+    if task.cancelled():
+        return None
+    if (exc := task.exception()) is not None:
+        return error_response(502, f"the prefill server {p.url} failed: {exc!r}")
+    resp = task.result()
+    if resp.status_code != 200:
+        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+    return None
+
+
+def build_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await router.close()
+
+    app = FastAPI(title="minengine router", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await router.forward("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        return await router.forward("/v1/chat/completions", raw)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await router.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return await router.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(router.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = _Parser(prog="python -m minengine.router", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        required=True,
+        metavar="URL [BOOTSTRAP_PORT]",
+        help="a prefill server and its --disaggregation-bootstrap-port (default 8998); repeatable",
+    )
+    parser.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode server; repeatable")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    args = parser.parse_args(argv)
+    prefills = []
+    for spec in args.prefill:
+        if len(spec) > 2:
+            given = " ".join(spec)
+            parser.error(f"argument --prefill: {given!r} has {len(spec)} values; allowed: URL [BOOTSTRAP_PORT]")
+        port = 8998
+        if len(spec) == 2:
+            if not spec[1].isdigit() or not 1 <= int(spec[1]) <= 65535:
+                parser.error(f"argument --prefill: bootstrap port {spec[1]!r}; allowed: 1..65535")
+            port = int(spec[1])
+        prefills.append(Backend(_url(parser, "--prefill", spec[0]), port))
+    decodes = [Backend(_url(parser, "--decode", u)) for u in args.decode]
+    if not 1 <= args.port <= 65535:
+        parser.error(f"argument --port: {args.port} is out of range; allowed: 1..65535")
+    return args, prefills, decodes
+
+
+def _url(parser: argparse.ArgumentParser, flag: str, url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        parser.error(f"argument {flag}: {url!r} is not an http(s) URL")
+    return url.rstrip("/")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, prefills, decodes = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(prefills, decodes)
+    logger.info(
+        "routing http://%s:%d to prefill %s and decode %s",
+        args.host,
+        args.port,
+        [p.url for p in prefills],
+        [d.url for d in decodes],
+    )
+    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

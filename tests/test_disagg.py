@@ -1,0 +1,431 @@
+"""Prefill/decode disaggregation, in one process: a prefill and a decode scheduler driver, each
+with its own engine and KV pool, talk over real ZMQ sockets and move KV with NIXL (host memory)
+or the fake backend. Stepping both by hand makes every failure scenario deterministic."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from checkpoints import build_checkpoint
+
+from minengine import LLM, SamplingParams
+from minengine.config import EngineConfig
+from minengine.disagg import transfer
+from minengine.disagg.servers import DecodeDriver, PrefillDriver
+from minengine.engine import Engine
+from minengine.server.protocol import AddRequest, Bootstrap, FailRoom
+from minengine.server.workers import free_port
+
+pytest.importorskip("nixl")
+PS = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "qwen3", "qwen3"))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    llm = LLM(ckpt, device="cpu", page_size=PS, disable_radix_cache=True)
+
+    def run(prompts, params=GREEDY):
+        return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    return run
+
+
+class Pair:
+    """A prefill driver and a decode driver on a free bootstrap port."""
+
+    def __init__(self, ckpt, backend="nixl", decode_radix=True, prefill=None, decode=None, timeout=5.0):
+        self.port = free_port()
+        common = dict(
+            model=ckpt,
+            device="cpu",
+            page_size=PS,
+            max_total_tokens=1024,
+            chunked_prefill_size=12,
+            disaggregation_transfer_backend=backend,
+            disaggregation_bootstrap_port=self.port,
+            disaggregation_bootstrap_timeout=timeout,
+        )
+        pcfg = EngineConfig(**{**common, "disaggregation_mode": "prefill", **(prefill or {})})
+        dcfg = EngineConfig(
+            **{
+                **common,
+                "disaggregation_mode": "decode",
+                "disaggregation_decode_enable_radix_cache": decode_radix,
+                "num_reserved_decode_tokens": 2,
+                **(decode or {}),
+            }
+        )
+        self.p = PrefillDriver(Engine(pcfg, detokenize=False))
+        self.d = DecodeDriver(Engine(dcfg, detokenize=False))
+        self.rooms = iter(range(1000, 10**6))
+        self.out: dict[str, dict] = {}
+
+    def bootstrap(self, room=None):
+        return Bootstrap("127.0.0.1", self.port, next(self.rooms) if room is None else room)
+
+    def submit(self, rid, prompt, params=GREEDY, to=("p", "d"), room=None):
+        b = self.bootstrap(room)
+        for side in to:
+            driver = self.p if side == "p" else self.d
+            self._record(side, driver.add(AddRequest(rid, list(prompt), params, b)))
+        return b
+
+    def _record(self, side, updates):
+        for u in updates:
+            entry = self.out.setdefault(f"{side}:{u.rid}", {"tokens": [], "reason": None, "error": None})
+            entry["tokens"] += u.new_token_ids
+            entry["reason"] = u.finish_reason or entry["reason"]
+            entry["error"] = u.error or entry["error"]
+            entry["cached"] = entry.get("cached", 0) + u.cached_tokens
+
+    def step(self, sides="pd"):
+        if "p" in sides:
+            self._record("p", self.p.step())
+        if "d" in sides:
+            self._record("d", self.d.step())
+
+    def run_until(self, cond, timeout=30.0, sides="pd"):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out; outputs so far: {self.out}"
+            self.step(sides)
+            time.sleep(0.001)
+
+    def done(self, *keys):
+        return lambda: all(self.out.get(k, {}).get("reason") for k in keys)
+
+    def idle(self):
+        """Both sides hold no KV for requests and nothing is pending."""
+        return (
+            self.p.engine.stats()["kv_pages_in_use"] == 0
+            and self.d.engine.stats()["kv_pages_in_use"] == 0
+            and not self.p.pending()
+            and not self.d.pending()
+            and not self.p.xfer.senders
+            and not self.d.xfer.receivers
+        )
+
+    def received(self):
+        return self.d.drain_transfer_stats()[0]
+
+    def close(self):
+        self.p.close()
+        self.d.close()
+
+
+@pytest.fixture
+def pair(ckpt):
+    pairs = []
+
+    def make(**kwargs):
+        pairs.append(Pair(ckpt, **kwargs))
+        return pairs[-1]
+
+    yield make
+    for p in pairs:
+        p.close()
+
+
+PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((3, 4, 9, 17, 26))]
+
+
+@pytest.mark.parametrize("decode_radix", [False, True])
+def test_nixl_outputs_equal_a_single_server(pair, reference, decode_radix):
+    """Chunked prefills (chunk 12, page 4: partial last pages, prompts over several chunks), KV
+    moved by NIXL: greedy tokens equal one engine's, both pools end with no request pages."""
+    pd = pair(decode_radix=decode_radix)
+    for i, p in enumerate(PROMPTS):
+        # odd requests reach the decode server first: their metadata waits for the prefill half
+        if i % 2:
+            b = pd.submit(f"r{i}", p, to=("d",))
+            pd.step("d")
+            time.sleep(0.05)
+            pd.p.xfer.poll()
+            assert b.room in pd.p.xfer.early
+            pd.submit(f"r{i}", p, to=("p",), room=b.room)
+        else:
+            pd.submit(f"r{i}", p)
+    keys = [f"d:r{i}" for i in range(len(PROMPTS))]
+    pd.run_until(pd.done(*keys, *[f"p:r{i}" for i in range(len(PROMPTS))]))
+    assert [pd.out[k]["tokens"] for k in keys] == reference(PROMPTS)
+    assert all(pd.out[k]["reason"] == "length" for k in keys)
+    # the prefill side's answer is the first token alone
+    assert [pd.out[f"p:r{i}"]["tokens"] for i in range(len(PROMPTS))] == [r[:1] for r in reference(PROMPTS)]
+    got = pd.received()
+    assert sorted(pages for pages, _, _ in got) == sorted(-(-len(p) // PS) for p in PROMPTS)
+    per_page = pd.d.xfer.layout.bytes_per_page
+    assert all(nbytes == pages * per_page and seconds > 0 for pages, nbytes, seconds in got)
+    pd.run_until(pd.idle)
+
+
+def test_fake_backend_runs_the_queues_without_moving_data(pair, reference):
+    pd = pair(backend="fake", decode_radix=False)
+    for i, p in enumerate(PROMPTS):
+        pd.submit(f"r{i}", p)
+    keys = [f"d:r{i}" for i in range(len(PROMPTS))]
+    pd.run_until(pd.done(*keys))
+    outputs = [pd.out[k]["tokens"] for k in keys]
+    assert all(len(o) == GREEDY.max_tokens for o in outputs)
+    # the first token comes from the prefill side; later ones read a KV that never arrived
+    assert [o[0] for o in outputs] == [r[0] for r in reference(PROMPTS)]
+    assert outputs != reference(PROMPTS)
+    assert all(nbytes == 0 for _, nbytes, _ in pd.received())
+    pd.run_until(pd.idle)
+
+
+def test_decode_radix_cache_asks_only_for_new_pages(pair, reference):
+    """A 3-turn conversation: with the decode radix cache on, turns 2 and 3 transfer only the
+    pages after what the decode server holds; with it off, every turn transfers every page."""
+    pages = {}
+    for radix in (False, True):
+        pd = pair(decode_radix=radix)
+        history, moved, prev_history = list(PROMPTS[3]), [], []
+        for turn in range(3):
+            pd.submit(f"t{turn}", history)
+            pd.run_until(pd.done(f"d:t{turn}"))
+            tokens = pd.out[f"d:t{turn}"]["tokens"]
+            assert tokens == reference([history])[0]
+            moved.append(sum(p for p, _, _ in pd.received()))
+            if radix and turn:
+                # the decode server cached the previous turn's whole pages (prompt + computed output)
+                held = (len(prev_history) + GREEDY.max_tokens - 1) // PS
+                assert pd.out[f"d:t{turn}"]["cached"] == held * PS
+                assert moved[-1] == -(-len(history) // PS) - held
+            prev_history = list(history)
+            history = history + tokens + [11, 12, 13, 14, 15]
+        pages[radix] = moved
+        pd.run_until(pd.idle)
+    assert pages[True][0] == pages[False][0]
+    assert all(on < off for on, off in zip(pages[True][1:], pages[False][1:], strict=True))
+
+
+# --- failures: every one ends with a clear error and no KV held on either side ------------------
+
+
+def test_prefill_rejection_fails_the_decode_side(pair):
+    pd = pair(prefill={"max_total_tokens": 16})  # the prefill pool cannot hold a 26-token prompt
+    pd.submit("big", PROMPTS[4])
+    pd.run_until(pd.done("d:big", "p:big"))
+    assert "exceeds the KV cache capacity" in pd.out["p:big"]["error"]
+    assert "prefill server" in pd.out["d:big"]["error"] and "KV cache capacity" in pd.out["d:big"]["error"]
+    pd.run_until(pd.idle)
+
+
+def test_front_end_rejection_reaches_the_prefill_side(pair):
+    pd = pair()
+    b = pd.submit("r", PROMPTS[2], to=("p",))
+    pd.d.fail_room(FailRoom(b, "bad sampling parameters"))  # what the decode API does on a 400
+    pd.run_until(pd.done("p:r"))
+    assert "aborted by the decode server" in pd.out["p:r"]["error"]
+    pd.run_until(pd.idle)
+
+
+def test_transfer_failure_fails_both_sides(pair, monkeypatch):
+    pd = pair()
+
+    def broken(*args, **kwargs):
+        raise transfer.TransferError("injected write failure")
+
+    monkeypatch.setattr(pd.p.xfer.mover, "write", broken)
+    pd.submit("r", PROMPTS[3])
+    pd.run_until(pd.done("d:r", "p:r"))
+    assert "injected write failure" in pd.out["p:r"]["error"]
+    assert "injected write failure" in pd.out["d:r"]["error"]
+    pd.run_until(pd.idle)
+
+
+@pytest.mark.parametrize("when", ["before_prefill", "mid_prefill", "after_prefill"])
+def test_decode_abort_stops_the_prefill_side(pair, when):
+    pd = pair()
+    pd.submit("r", PROMPTS[4])  # 26 tokens: three chunks of 12
+    if when == "mid_prefill":
+        pd.run_until(lambda: any(s.sent for s in pd.p.xfer.senders.values()))
+    elif when == "after_prefill":
+        pd.run_until(pd.done("p:r"), sides="p")  # sent, but the decode side has not looked yet
+    else:
+        pd.step("d")  # the decode side has asked for the KV
+    pd._record("d", pd.d.abort("r"))
+    pd.run_until(pd.idle)
+    if when != "after_prefill":
+        assert "aborted by the decode server" in pd.out["p:r"]["error"]
+    assert pd.out["d:r"]["reason"] == "abort"
+
+
+def test_prefill_abort_fails_the_decode_side(pair):
+    pd = pair()
+    pd.submit("r", PROMPTS[4])
+    pd.run_until(lambda: any(s.sent for s in pd.p.xfer.senders.values()))
+    pd._record("p", pd.p.abort("r"))  # e.g. the router's connection to the prefill server closed
+    pd.run_until(pd.done("d:r"))
+    assert "aborted on the prefill server" in pd.out["d:r"]["error"]
+    pd.run_until(pd.idle)
+
+
+def test_bootstrap_timeouts(pair):
+    pd = pair(timeout=0.5)
+    pd.submit("lonely_prefill", PROMPTS[1], to=("p",))
+    pd.submit("lonely_decode", PROMPTS[1], to=("d",))
+    pd.run_until(pd.done("p:lonely_prefill", "d:lonely_decode"))
+    assert "no decode server asked" in pd.out["p:lonely_prefill"]["error"]
+    err = pd.out["d:lonely_decode"]["error"]
+    assert "never received" in err or "did not take" in err
+    pd.run_until(pd.idle)
+
+
+def test_dead_prefill_server_does_not_hang_the_decode_side(pair):
+    pd = pair(timeout=0.5)
+    pd.submit("r", PROMPTS[4])
+    pd.run_until(lambda: any(s.sent for s in pd.p.xfer.senders.values()))
+    pd.p.xfer.sock.close(linger=0)  # the prefill server is gone: no answers, no pongs
+    pd.run_until(pd.done("d:r"), sides="d")
+    assert "was silent" in pd.out["d:r"]["error"]
+    # its pages wait one more timeout for an answer to the abort (a live peer might still write)
+    assert pd.d.engine.stats()["kv_pages_in_use"] > 0
+    pd.run_until(lambda: pd.d.engine.stats()["kv_pages_in_use"] == 0 and not pd.d.pending(), timeout=5, sides="d")
+
+
+def test_failure_after_a_decode_cache_hit_frees_only_the_new_pages(pair):
+    """A request whose prompt is partly in the decode radix cache fails: the cached pages stay
+    the cache's (no double free), the rest go back to the allocator."""
+    pd = pair(prefill={"max_total_tokens": 24})
+    pd.submit("warm", PROMPTS[3])  # 17 tokens: fits the prefill pool
+    pd.run_until(pd.done("d:warm"))
+    longer = PROMPTS[3] + [9] * 12  # 29 tokens: the prefill server rejects it, the decode side had a hit
+    pd.submit("hit", longer)
+    pd.run_until(pd.done("d:hit"))
+    assert "KV cache capacity" in pd.out["d:hit"]["error"]
+    pd.run_until(pd.idle)
+    acc = pd.d.engine.scheduler.accounting()
+    assert acc["free"] + acc["held_only_by_cache"] == acc["total"]
+
+
+def test_a_late_prefill_half_cannot_write_into_reused_pages(pair, reference):
+    """The decode side gives up on a room whose prefill half is late; its pages go to another
+    request only after the prefill side has dropped the room, so the late half writes nothing."""
+    pd = pair(timeout=0.5, decode_radix=False)
+    late = pd.submit("late", PROMPTS[4], to=("d",))
+    pd.run_until(pd.done("d:late"), sides="d")  # the prefill server is busy elsewhere: not polled
+    assert "did not take" in pd.out["d:late"]["error"] or "silent" in pd.out["d:late"]["error"]
+    other = [(11 * j) % 290 + 7 for j in range(26)]
+    pd.run_until(lambda: pd.d.engine.stats()["kv_pages_in_use"] == 0, sides="pd")
+    pd.submit("other", other)
+    pd.submit("late", PROMPTS[4], to=("p",), room=late.room)  # the late half arrives at last
+    pd.run_until(pd.done("d:other", "p:late"))
+    assert "aborted by the decode server" in pd.out["p:late"]["error"]
+    assert pd.out["d:other"]["tokens"] == reference([other])[0]
+    pd.run_until(pd.idle)
+
+
+def test_a_restarted_prefill_server_is_greeted_again(pair, reference):
+    pd = pair(timeout=2.0)
+    pd.submit("a", PROMPTS[2])
+    pd.run_until(pd.done("d:a"))
+    engine = pd.p.engine
+    pd.p.close()  # the prefill server goes away and comes back on the same port
+    time.sleep(0.2)
+    pd.p = PrefillDriver(engine)
+    for i in range(2):
+        pd.submit(f"b{i}", PROMPTS[2])
+        pd.run_until(pd.done(f"d:b{i}", f"p:b{i}"))
+        assert pd.out[f"d:b{i}"]["error"] is None
+        assert pd.out[f"d:b{i}"]["tokens"] == reference([PROMPTS[2]])[0]
+    pd.run_until(pd.idle)
+
+
+def test_a_request_queued_for_decode_kv_does_not_time_out(pair):
+    """The decode pool is full for longer than the timeout; the prefill half of the queued request
+    waits (its decode server claimed the room) instead of failing."""
+    pd = pair(timeout=0.5, decode_radix=False, decode={"max_total_tokens": 256})
+    pd.submit("r0", PROMPTS[3], SamplingParams(max_tokens=230, temperature=0, ignore_eos=True))
+    pd.submit("r1", PROMPTS[3])
+    pd.run_until(lambda: len(pd.d.prealloc) == 1 and pd.out.get("d:r0"))
+    pd.run_until(pd.done("d:r0", "d:r1", "p:r1"), timeout=60)
+    assert pd.out["d:r1"]["error"] is None and pd.out["p:r1"]["error"] is None
+    pd.run_until(pd.idle)
+
+
+def test_metadata_outside_the_decode_pool_fails_the_request(pair, monkeypatch):
+    pd = pair(decode_radix=False)
+    send = transfer.KVReceiver.send_metadata
+    monkeypatch.setattr(
+        transfer.KVReceiver, "send_metadata", lambda self, pages, n: send(self, [p + 10**5 for p in pages], n)
+    )
+    pd.submit("r", PROMPTS[2])
+    pd.run_until(pd.done("d:r", "p:r"))
+    assert "outside the decode pool" in pd.out["d:r"]["error"]
+    pd.run_until(pd.idle)
+
+
+def test_an_idle_connection_is_not_a_silent_peer(pair, reference):
+    """Silence counts only while a request waits: a pair idle past the timeout still works."""
+    pd = pair(timeout=0.5)
+    pd.submit("first", PROMPTS[1])
+    pd.run_until(pd.done("d:first"))
+    time.sleep(1.0)
+    pd.submit("second", PROMPTS[2])
+    pd.run_until(pd.done("d:second", "p:second"))
+    assert pd.out["d:second"]["error"] is None
+    assert pd.out["d:second"]["tokens"] == reference([PROMPTS[2]])[0]
+    pd.run_until(pd.idle)
+
+
+def test_no_prefill_server_at_the_address(pair, ckpt):
+    pd = pair(timeout=0.5)
+    b = Bootstrap("127.0.0.1", free_port(), 5)
+    pd._record("d", pd.d.add(AddRequest("r", PROMPTS[1], GREEDY, b)))
+    pd.run_until(pd.done("d:r"), sides="d")
+    assert "was silent" in pd.out["d:r"]["error"]
+    pd.run_until(lambda: pd.d.engine.stats()["kv_pages_in_use"] == 0 and not pd.d.pending(), timeout=5, sides="d")
+
+
+def test_mismatched_servers_and_duplicate_rooms(pair):
+    pd = pair(decode={"page_size": 8})
+    pd.submit("r", PROMPTS[2])
+    pd.run_until(pd.done("d:r", "p:r"))
+    assert "differ in page_size" in pd.out["d:r"]["error"]
+    pd.run_until(pd.idle)
+
+    pd = pair()
+    pd.submit("a", PROMPTS[2], room=7, to=("p",))
+    pd.submit("b", PROMPTS[2], room=7, to=("p",))
+    assert "bootstrap_room 7 is already in use" in pd.out["p:b"]["error"]
+    pd.p.abort("a")
+    pd.run_until(pd.idle)
+
+
+def test_decode_admission_waits_for_kv(pair, reference):
+    """A decode pool with room for one request at a time (10 pages) serves a queue of them in
+    order; each waits in the prealloc queue until the KV of the one before is freed."""
+    pd = pair(decode={"max_total_tokens": 40}, decode_radix=False)
+    prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[3]]  # 6, 8 and 6 pages at their longest
+    for i, p in enumerate(prompts):
+        pd.submit(f"r{i}", p)
+    pd.step()
+    pd.step()
+    assert len(pd.d.prealloc) == 2  # only the first fits
+    pd.run_until(pd.done("d:r0", "d:r1", "d:r2"))
+    assert [pd.out[f"d:r{i}"]["tokens"] for i in range(3)] == reference(prompts)
+    pd.run_until(pd.idle)
+
+
+@pytest.mark.gpu
+def test_nixl_moves_device_memory(pair, ckpt):
+    """On a GPU the pools are device memory (NIXL VRAM): outputs equal one GPU engine's."""
+    gpu = {"device": "cuda", "dtype": "float32", "max_total_tokens": 1024}
+    pd = pair(prefill=gpu, decode=gpu)
+    assert pd.p.xfer.layout.mem_type == "VRAM"
+    for i, p in enumerate(PROMPTS):
+        pd.submit(f"r{i}", p)
+    keys = [f"d:r{i}" for i in range(len(PROMPTS))]
+    pd.run_until(pd.done(*keys), timeout=120)
+    llm = LLM(ckpt, page_size=PS, disable_radix_cache=True, **gpu)
+    want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert [pd.out[k]["tokens"] for k in keys] == want
+    pd.run_until(pd.idle)

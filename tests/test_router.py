@@ -1,0 +1,211 @@
+"""Prefill server + decode server + router as real processes on CPU, KV over NIXL (host memory),
+checked against a single server with the same checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from checkpoints import build_checkpoint
+from test_server import free_port, metrics, start_server, stop_server, wait_for
+
+pytest.importorskip("nixl")
+PS = 4
+GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+def start_router(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "minengine.router", "--port", str(port), "--log-level", "warning", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    assert wait_for(lambda: _up(url, proc), timeout=60), "router did not start"
+    return proc, url
+
+
+def _up(url: str, proc: subprocess.Popen) -> bool:
+    if proc.poll() is not None:
+        raise RuntimeError(f"router exited: {proc.stdout.read()}")
+    try:
+        httpx.get(url + "/metrics", timeout=1)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    ckpt = str(build_checkpoint(tmp_path_factory.mktemp("ck") / "qwen3", "qwen3"))
+    boot = free_port()
+    common = ["--model", ckpt, "--device", "cpu", "--page-size", str(PS), "--disaggregation-bootstrap-timeout", "3"]
+    procs = []
+    try:
+        single, single_url = start_server(*common[:6], "--disable-radix-cache")
+        procs.append(single)
+        prefill, prefill_url = start_server(
+            *common,
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(boot),
+            "--max-total-tokens",
+            "256",
+        )
+        procs.append(prefill)
+        decode, decode_url = start_server(
+            *common, "--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache"
+        )
+        procs.append(decode)
+        router, router_url = start_router("--prefill", prefill_url, str(boot), "--decode", decode_url)
+        procs.append(router)
+        yield {"single": single_url, "prefill": prefill_url, "decode": decode_url, "router": router_url}
+    finally:
+        for proc in procs:
+            stop_server(proc)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def idle(*urls: str) -> bool:
+    return all(metrics(u).get("minengine:kv_pages_in_use") == 0 for u in urls)
+
+
+def test_multi_turn_chat_through_the_router_equals_one_server(cluster):
+    """Three turns of a conversation; from turn 2 on, the decode server holds the conversation
+    so far in its radix cache and receives only the new pages."""
+    via, ref = client(cluster["router"]), client(cluster["single"])
+    model = ref.models.list().data[0].id
+    assert [m.id for m in via.models.list().data] == [model]
+    messages = [{"role": "user", "content": "Paged attention keeps the KV cache in pages."}]
+    before, prev_prompt = metrics(cluster["decode"]), 0
+    for turn in range(3):
+        got = via.chat.completions.create(model=model, messages=messages, **GREEDY)
+        want = ref.chat.completions.create(model=model, messages=messages, **GREEDY)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.usage.completion_tokens == 8
+        after = metrics(cluster["decode"])
+        moved = after["minengine:kv_transfer_pages_total"] - before["minengine:kv_transfer_pages_total"]
+        cached = got.usage.prompt_tokens_details.cached_tokens
+        assert moved == -(-got.usage.prompt_tokens // PS) - cached // PS
+        if turn:
+            # at least the previous prompt's whole pages (the reply is re-tokenized by the template)
+            assert cached >= PS * (prev_prompt // PS) > 0
+        before, prev_prompt = after, got.usage.prompt_tokens
+        messages += [{"role": "assistant", "content": got.choices[0].message.content}]
+        messages += [{"role": "user", "content": f"And turn {turn + 2}?"}]
+    streamed = via.chat.completions.create(model=model, messages=messages, stream=True, **GREEDY)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == ref.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0].message.content
+    m = metrics(cluster["decode"])
+    assert m["minengine:kv_transfer_bytes_total"] > 0 and m["minengine:kv_transfer_seconds_count"] >= 4
+    assert metrics(cluster["prefill"])["minengine:kv_transfer_pages_sent_total"] > 0
+    assert "minengine_router:requests_total" in httpx.get(cluster["router"] + "/metrics").text
+    assert httpx.get(cluster["router"] + "/health").status_code == 200
+    assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
+
+
+def test_completions_and_concurrency_through_the_router(cluster):
+    via, ref = client(cluster["router"]), client(cluster["single"])
+    prompts = [f"request {i}: the quick brown fox" for i in range(6)]
+    results = [None] * len(prompts)
+    # the model name is checked by both servers
+    with pytest.raises(openai.NotFoundError):
+        via.completions.create(model="x", prompt="hi", max_tokens=2)
+    model = ref.models.list().data[0].id
+
+    def run_ok(i):
+        results[i] = via.completions.create(model=model, prompt=prompts[i], **GREEDY).choices[0].text
+
+    threads = [threading.Thread(target=run_ok, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [ref.completions.create(model=model, prompt=p, **GREEDY).choices[0].text for p in prompts]
+    assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
+
+
+def test_prefill_rejection_through_the_router(cluster):
+    """The prefill server (256 KV tokens) cannot take this prompt; the decode server can."""
+    via = client(cluster["router"])
+    model = via.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="KV cache capacity"):
+        via.completions.create(model=model, prompt=list(range(5, 305)), max_tokens=4)
+    assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
+
+
+def test_client_disconnect_mid_stream_frees_both_sides(cluster):
+    model = client(cluster["single"]).models.list().data[0].id
+    body = {"model": model, "prompt": "a long story", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", cluster["router"] + "/v1/completions", json=body, timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i > 6:
+                break
+    assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]), timeout=20)
+
+
+def test_servers_reject_requests_without_a_pairing(cluster):
+    r = httpx.post(cluster["decode"] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 400 and "bootstrap_room is required" in r.json()["error"]["message"]
+    r = httpx.post(cluster["single"] + "/v1/completions", json={"prompt": "hi", "bootstrap_room": 3})
+    assert r.status_code == 400 and "only accepted by a server in --disaggregation-mode" in r.json()["error"]["message"]
+    body = {"prompt": "hi", "bootstrap_room": 3, "bootstrap_port": 70000, "bootstrap_host": "h"}
+    r = httpx.post(cluster["decode"] + "/v1/completions", json=body)
+    assert r.status_code == 400 and "bootstrap_port is 70000; allowed: 1..65535" in r.json()["error"]["message"]
+
+
+def test_dead_prefill_server(cluster):
+    """A router whose prefill server is gone answers with an error at once, and the decode
+    server frees the request's KV (its prefill peer never answers)."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc, url = start_router("--prefill", dead, str(free_port()), "--decode", cluster["decode"])
+    try:
+        model = client(cluster["single"]).models.list().data[0].id
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 502 and "prefill server" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 10
+        # streaming: the stream ends with the prefill error as an event, not after the decode timeout
+        start, body = time.monotonic(), {"model": model, "prompt": "hello", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert "prefill server" in events[-1] and '"error"' in events[-1]
+        assert time.monotonic() - start < 10
+        assert httpx.get(url + "/health").status_code == 503
+        assert wait_for(lambda: idle(cluster["decode"]), timeout=20)
+    finally:
+        stop_server(proc)
+
+
+def test_router_flags_fail_in_one_line():
+    for args, needle in [
+        (["--decode", "http://x:1"], "--prefill"),
+        (["--prefill", "http://x:1", "99999", "--decode", "http://x:2"], "bootstrap port '99999'"),
+        (["--prefill", "ftp://x", "--decode", "http://x:2"], "not an http(s) URL"),
+    ]:
+        out = subprocess.run([sys.executable, "-m", "minengine.router", *args], capture_output=True, text=True)
+        assert out.returncode == 2 and needle in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
+
+
+def test_prefix_aware_picking():
+    from minengine.router import IMBALANCE, Backend, Picker, routing_key
+
+    picker = Picker([Backend("http://a"), Backend("http://b")])
+    system = "You are a careful assistant. " * 4
+    convo = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "first question"}]}
+    first = picker.pick(routing_key(convo))
+    first.in_flight += 1
+    other = picker.pick("an unrelated prompt " * 8)
+    assert other is not first  # no shared prefix: the least busy
+    later = dict(convo, messages=convo["messages"] + [{"role": "assistant", "content": "answer"}])
+    assert picker.pick(routing_key(later)) is first  # the same conversation, the same server
+    first.in_flight += IMBALANCE + 1
+    assert picker.pick(routing_key(later)) is other  # unless that server is far busier
+    assert routing_key({"prompt": [1, 2]}) == "[1, 2]"
