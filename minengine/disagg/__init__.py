@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: KV transfer (``transfer``) and the scheduler-loop drivers (``servers``)."""
