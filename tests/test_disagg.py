@@ -429,3 +429,24 @@ def test_nixl_moves_device_memory(pair, ckpt):
     want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert [pd.out[k]["tokens"] for k in keys] == want
     pd.run_until(pd.idle)
+
+
+def test_config_and_start_up_errors(ckpt):
+    with pytest.raises(ValueError, match="dp_size is 2 with disaggregation_mode 'prefill'; allowed: dp_size 1"):
+        EngineConfig(disaggregation_mode="prefill", dp_size=2)
+    with pytest.raises(ValueError, match="disaggregation_mode is 'bogus'; allowed: null, prefill, decode"):
+        EngineConfig(disaggregation_mode="bogus")
+    with pytest.raises(ValueError, match="disaggregation_bootstrap_port is 70000; allowed: 1..65535"):
+        EngineConfig(disaggregation_bootstrap_port=70000)
+    with pytest.raises(ValueError, match="disaggregation_bootstrap_timeout is 0; allowed"):
+        EngineConfig(disaggregation_bootstrap_timeout=0)
+    with pytest.raises(ValueError, match="LLM runs whole requests"):
+        LLM("tiny", device="cpu", disaggregation_mode="decode")
+    port = free_port()
+    cfg = EngineConfig(model=ckpt, device="cpu", disaggregation_mode="prefill", disaggregation_bootstrap_port=port)
+    first = PrefillDriver(Engine(cfg, detokenize=False))
+    try:
+        with pytest.raises(transfer.TransferError, match=f"cannot listen on bootstrap port {port}"):
+            PrefillDriver(Engine(cfg, detokenize=False))
+    finally:
+        first.close()
