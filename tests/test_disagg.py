@@ -450,3 +450,23 @@ def test_config_and_start_up_errors(ckpt):
             PrefillDriver(Engine(cfg, detokenize=False))
     finally:
         first.close()
+
+
+def test_page_runs_and_descriptors():
+    import numpy as np
+    import torch
+
+    kv = torch.zeros((3, 10, 2, 4, 2, 8))  # layers, pages, K/V, page size, heads, dim
+    layout = transfer.KVLayout.of(kv)
+    mine, theirs, counts = transfer.page_runs([4, 5, 6, 9, 2, 3], [0, 1, 2, 3, 7, 9])
+    assert mine.tolist() == [4, 9, 2, 3] and theirs.tolist() == [0, 3, 7, 9] and counts.tolist() == [3, 1, 1, 1]
+    descs = layout.descs(mine, counts)
+    assert descs.shape == (4 * 3, 3)
+    page_bytes = 2 * 4 * 2 * 8 * 4
+    base = kv.data_ptr()
+    for (start, n), rows in zip(zip(mine, counts, strict=True), descs.reshape(4, 3, 3), strict=True):
+        for layer, (addr, size, dev) in enumerate(rows):
+            assert addr == kv[layer, start].data_ptr() and size == n * page_bytes and dev == 0
+            # the run's bytes are exactly those pages of that layer
+            assert addr + size == base + (layer * 10 + start + n) * page_bytes
+    assert np.array_equal(transfer.page_runs([1], [5])[2], [1])

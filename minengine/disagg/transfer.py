@@ -110,16 +110,30 @@ class KVLayout:
                 return f"the prefill and decode servers differ in {name} ({theirs} vs {mine})"
         return None
 
-    def descs(self, pages: list[int]) -> np.ndarray:
-        """``[len(pages) * layers, 3]`` (address, bytes, device) in page-major order."""
-        p = np.asarray(pages, dtype=np.uint64)[:, None]
+    def descs(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """One (address, bytes, device) row per run of consecutive pages and layer, run-major:
+        a layer's pages are contiguous, so a run is one descriptor per layer."""
+        p = np.asarray(starts, dtype=np.uint64)[:, None]
         layer = np.arange(self.num_layers, dtype=np.uint64)[None, :]
-        addr = self.base + layer * self.layer_stride + p * self.page_stride
-        out = np.empty((addr.size, 3), dtype=np.uint64)
-        out[:, 0] = addr.reshape(-1)
-        out[:, 1] = self.page_bytes
+        out = np.empty((p.size * self.num_layers, 3), dtype=np.uint64)
+        out[:, 0] = (self.base + layer * self.layer_stride + p * self.page_stride).reshape(-1)
+        out[:, 1] = (
+            (np.asarray(counts, dtype=np.uint64)[:, None] * np.uint64(self.page_bytes))
+            .repeat(self.num_layers, axis=1)
+            .reshape(-1)
+        )
         out[:, 2] = self.device_id
         return out
+
+
+def page_runs(local: list[int], remote: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs over which both the local and the remote page ids go up by one:
+    (local starts, remote starts, lengths). Fresh pools hand out consecutive pages, so a
+    request's KV is usually a few runs, and a write a few descriptors per layer."""
+    lo, re = np.asarray(local, dtype=np.int64), np.asarray(remote, dtype=np.int64)
+    cut = np.flatnonzero((np.diff(lo) != 1) | (np.diff(re) != 1)) + 1
+    starts, ends = np.concatenate(([0], cut)), np.concatenate((cut, [lo.size]))
+    return lo[starts], re[starts], ends - starts
 
 
 # --- data movers ---------------------------------------------------------------------------------
@@ -260,8 +274,11 @@ class KVSender:
             return
         peer = self.mgr.peers[self.peer]
         notif = f"{self.room}:{self.num_writes}".encode()
+        mine, theirs, counts = page_runs(pages, remote)
         try:
-            handle = self.mgr.mover.write(peer.agent, self.mgr.layout.descs(pages), peer.layout.descs(remote), notif)
+            handle = self.mgr.mover.write(
+                peer.agent, self.mgr.layout.descs(mine, counts), peer.layout.descs(theirs, counts), notif
+            )
         except Exception as exc:  # NIXL raises its own errors: the request fails, the server goes on
             self.fail(f"a KV write could not be posted: {exc}")
             return
