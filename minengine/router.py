@@ -160,23 +160,26 @@ class Router:
                     decode.cancel()
                     prefill.cancel()
                     return Response(status_code=499)
-            try:
-                resp = decode.result()
-            except httpx.HTTPError as exc:
-                self.failures.labels(server=d.url).inc()
-                return error_response(502, f"the decode server {d.url} failed: {exc!r}")
         finally:
             d.in_flight -= 1
-            self._finish_in_background(prefill)
-        if resp.status_code != 200:
-            # the decode half failed: if the prefill half failed too, its error is the cause
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(prefill), PREFILL_GRACE_SECONDS)
-            if prefill.done() and (failed := _failure(prefill, p)) is not None:
-                self.failures.labels(server=p.url).inc()
-                return failed
-            self.failures.labels(server=d.url).inc()
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        try:
+            resp = decode.result()
+            answer = Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        except httpx.HTTPError as exc:
+            answer = error_response(502, f"the decode server {d.url} failed: {exc!r}")
+        if answer.status_code == 200:
+            self._finish_in_background(prefill)  # it ends on its own once its KV has landed
+            return answer
+        # the decode half failed: if the prefill half failed too, its error is the cause; if not,
+        # it can never hand its KV over, so stop it
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(prefill), PREFILL_GRACE_SECONDS)
+        if prefill.done() and (failed := _failure(prefill, p)) is not None:
+            self.failures.labels(server=p.url).inc()
+            return failed
+        prefill.cancel()
+        self.failures.labels(server=d.url).inc()
+        return answer
 
     async def _stream(self, path, d: Backend, body, prefill: asyncio.Task, p: Backend) -> Response:
         try:
