@@ -209,6 +209,10 @@ class Engine:
     def _commit(self, step: Launched) -> list[Request]:
         return self.scheduler.commit(step.samplers, self.runner.resolve(step), self.stop_reason)
 
+    def in_flight_event(self):
+        """The CUDA event of the step launched and not read yet (None: none, or not on CUDA)."""
+        return self._in_flight.done if self._in_flight is not None else None
+
     def drain_delayer_outcomes(self) -> list:
         """The prefill delayer's per-pass outcomes since the last call (for metrics)."""
         if self.delayer is None or not self.delayer.outcomes:

@@ -170,13 +170,15 @@ class Router:
         if answer.status_code == 200:
             self._finish_in_background(prefill)  # it ends on its own once its KV has landed
             return answer
-        # the decode half failed: if the prefill half failed too, its error is the cause; if not,
-        # it can never hand its KV over, so stop it
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(prefill), PREFILL_GRACE_SECONDS)
-        if prefill.done() and (failed := _failure(prefill, p)) is not None:
-            self.failures.labels(server=p.url).inc()
-            return failed
+        # the decode half failed. A 4xx is the client's error (the decode server checks more: the
+        # whole max_tokens); otherwise a failed prefill half is the cause. Either way the prefill
+        # half can never hand its KV over, so it is stopped.
+        if answer.status_code >= 500:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(prefill), PREFILL_GRACE_SECONDS)
+            if prefill.done() and (failed := _failure(prefill, p)) is not None:
+                self.failures.labels(server=p.url).inc()
+                return failed
         prefill.cancel()
         self.failures.labels(server=d.url).inc()
         return answer

@@ -21,6 +21,12 @@ class Sampler:
     def request_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(seed)
 
+    def skip(self, req: Request, vocab_size: int) -> None:
+        """Advance a seeded request's generator past one token's draw (a token sampled elsewhere:
+        the prefill server of a disaggregated pair), so its later tokens match one server's."""
+        if req.generator is not None and not req.params.greedy:
+            torch.empty(vocab_size, device=self.device).exponential_(generator=req.generator)
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """One token per row of ``logits`` [S, V] (float32), row i for ``reqs[i]``, on the device.
         Decisions use host values only, so sampling never waits for the device."""

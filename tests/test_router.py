@@ -141,6 +141,16 @@ def test_prefill_rejection_through_the_router(cluster):
     assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
 
 
+def test_decode_side_rejection_through_the_router(cluster):
+    """max_tokens past the context: only the decode server checks it; its 400 is the answer and
+    the prefill half is stopped."""
+    via = client(cluster["router"])
+    model = via.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="exceeds the context length"):
+        via.completions.create(model=model, prompt="hello", max_tokens=10**6)
+    assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
+
+
 def test_client_disconnect_mid_stream_frees_both_sides(cluster):
     model = client(cluster["single"]).models.list().data[0].id
     body = {"model": model, "prompt": "a long story", "max_tokens": 400, "stream": True, "ignore_eos": True}

@@ -110,6 +110,7 @@ class PrefillDriver:
 
         if self.engine.has_unfinished():
             self.engine.step()  # the first token is read from the request once its KV has landed
+            self.xfer.poll()  # aborts that came in during the step stop its writes before they start
             senders = {id(req): sender for req, sender in self.live.values()}
             ps = self.engine.config.page_size
             for req, upto in self.engine.kv_ready:
@@ -162,6 +163,9 @@ class DecodeDriver:
             engine.runner.pool.kv, cfg.disaggregation_transfer_backend, cfg.disaggregation_bootstrap_timeout
         )
         self.prealloc: deque[tuple[str, Request, KVReceiver]] = deque()
+        # KV allocated, metadata held back until the step in flight at allocation is done: that step
+        # may still write KV of a request that finished meanwhile into pages now ours
+        self.allocated: list[tuple[str, Request, KVReceiver, object]] = []
         self.transfer: dict[str, tuple[Request, KVReceiver]] = {}
         self.live: dict[str, Request] = {}  # decoding
         self.closing: list[tuple[Request, KVReceiver]] = []  # aborted mid-transfer: pages wait for the peer
@@ -171,9 +175,12 @@ class DecodeDriver:
         b = msg.bootstrap
         try:
             req = self.engine.new_request(msg.prompt_ids, msg.params)
-            receiver = self.xfer.receiver(b.host, b.port, b.room)
         except ValueError as exc:
-            self.fail_room(FailRoom(b, str(exc)))
+            self.fail_room(FailRoom(b, str(exc)))  # its prefill half must not wait for us
+            return [_failed(msg.rid, str(exc))]
+        try:
+            receiver = self.xfer.receiver(b.host, b.port, b.room)
+        except ValueError as exc:  # a room in use (by another live request) or an unusable address
             return [_failed(msg.rid, str(exc))]
         receiver.init()
         self.prealloc.append((msg.rid, req, receiver))
@@ -186,7 +193,13 @@ class DecodeDriver:
                 entry[2].abort()
                 self.xfer.forget(entry[2].room)
                 return [TokenUpdate(rid, [], "abort")]
-        if rid in self.transfer:
+        allocated = next((e for e in self.allocated if e[0] == rid), None)
+        if allocated is not None:  # no metadata sent: nothing can land, free now
+            self.allocated.remove(allocated)
+            allocated[2].abort()
+            self.xfer.forget(allocated[2].room)
+            self.engine.scheduler.drop_receiving(allocated[1])
+        elif rid in self.transfer:
             req, receiver = self.transfer.pop(rid)
             receiver.abort()
             self.closing.append((req, receiver))
@@ -197,7 +210,7 @@ class DecodeDriver:
         return [TokenUpdate(rid, [], "abort")]
 
     def abort_all(self) -> list[TokenUpdate]:
-        rids = [e[0] for e in self.prealloc] + list(self.transfer) + list(self.live)
+        rids = [e[0] for e in (*self.prealloc, *self.allocated)] + list(self.transfer) + list(self.live)
         return [u for rid in rids for u in self.abort(rid)]
 
     def fail_room(self, msg: FailRoom) -> None:
@@ -208,7 +221,7 @@ class DecodeDriver:
         return self.engine.has_unfinished()
 
     def pending(self) -> bool:
-        return bool(self.prealloc or self.transfer or self.closing)
+        return bool(self.prealloc or self.allocated or self.transfer or self.closing)
 
     def sockets(self) -> list:
         return [conn.sock for conn in self.xfer.conns.values()]
@@ -226,9 +239,19 @@ class DecodeDriver:
             if not sched.preallocate(req, self.reserved):
                 break  # first come, first served: wait for KV to free up
             self.prealloc.popleft()
-            prompt_pages = sched.pages_for(len(req.prompt_ids))
-            receiver.send_metadata(req.pages[req.cached_pages : prompt_pages], req.cached_pages * ps)
-            self.transfer[rid] = (req, receiver)
+            self.allocated.append((rid, req, receiver, self.engine.in_flight_event()))
+        for entry in list(self.allocated):
+            rid, req, receiver, event = entry
+            if receiver.poll() is KVPoll.Failed:  # e.g. rejected by the prefill side meanwhile
+                self.allocated.remove(entry)
+                self.xfer.forget(receiver.room)
+                sched.drop_receiving(req)
+                updates.append(_failed(rid, receiver.error))
+            elif event is None or event.query():
+                self.allocated.remove(entry)
+                prompt_pages = sched.pages_for(len(req.prompt_ids))
+                receiver.send_metadata(req.pages[req.cached_pages : prompt_pages], req.cached_pages * ps)
+                self.transfer[rid] = (req, receiver)
 
         for rid, (req, receiver) in list(self.transfer.items()):
             state = receiver.poll()
@@ -238,6 +261,7 @@ class DecodeDriver:
                 self.received.append((receiver.pages, receiver.bytes, receiver.seconds))
                 sched.activate(req, receiver.first_token)
                 self.engine.runner.token_buffer[req.slot] = receiver.first_token  # the next decode's input
+                self.engine.sampler.skip(req, self.engine.model_config.vocab_size)  # the prefill side drew one
                 reason = self.engine.stop_reason(req)
                 if reason is not None:
                     sched.finish(req, reason)

@@ -6,7 +6,8 @@ Interfaces as in SGLang: a ``KVSender`` per request on the prefill side (``init`
 by their ``bootstrap_room`` (a random id the router gives both sides).
 
 Control plane (ZMQ): the prefill server binds a ROUTER on its bootstrap port; each decode server
-connects one DEALER to it (identity: its agent name). Messages are pickled tuples:
+connects one DEALER to it (identity: its agent name). Messages are JSON arrays, checked against
+a schema on arrival (a malformed one is dropped, never executed or trusted):
 
     decode -> prefill   ("hello", agent, metadata, layout, backend)   on connecting, and on "who"
                         ("claim", room)   the decode half exists: wait for its metadata
@@ -31,10 +32,12 @@ dead peer writes nothing).
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import enum
+import json
 import logging
 import os
-import pickle
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,6 +48,7 @@ import zmq
 
 logger = logging.getLogger(__name__)
 PING_SECONDS = 1.0
+MAX_PREFILL_PEERS = 256  # distinct bootstrap addresses one decode server talks to
 
 
 class KVPoll(enum.IntEnum):
@@ -134,6 +138,60 @@ def page_runs(local: list[int], remote: list[int]) -> tuple[np.ndarray, np.ndarr
     cut = np.flatnonzero((np.diff(lo) != 1) | (np.diff(re) != 1)) + 1
     starts, ends = np.concatenate(([0], cut)), np.concatenate((cut, [lo.size]))
     return lo[starts], re[starts], ends - starts
+
+
+# --- control messages ----------------------------------------------------------------------------
+
+_SCHEMA: dict[str, tuple] = {
+    "hello": (str, bytes, KVLayout, str),  # agent name, NIXL agent metadata, pool layout, backend
+    "claim": (int,),
+    "meta": (int, list, int),  # room, decode page ids, decode_prefix_len
+    "abort": (int,),
+    "ping": (),
+    "accepted": (int,),
+    "done": (int, int, int, int, int),  # room, first token, pages, bytes, writes
+    "failed": (int, str),
+    "released": (int, str),
+    "pong": (),
+    "who": (int,),
+}
+
+
+def encode(msg: tuple) -> bytes:
+    def field(v):
+        if isinstance(v, bytes):
+            return {"bytes": base64.b64encode(v).decode()}
+        if isinstance(v, KVLayout):
+            return dataclasses.asdict(v)
+        return v
+
+    return json.dumps([msg[0], *(field(v) for v in msg[1:])]).encode()
+
+
+def decode(raw: bytes) -> tuple | None:
+    """The message, or None if it is not one of ours (wrong kind, arity or field types)."""
+    try:
+        data = json.loads(raw)
+        kind, fields = data[0], data[1:]
+        types = _SCHEMA[kind]
+        if len(fields) != len(types):
+            return None
+        out = [kind]
+        for value, typ in zip(fields, types, strict=True):
+            if typ is bytes:
+                value = base64.b64decode(value["bytes"], validate=True)
+            elif typ is KVLayout:
+                value = KVLayout(**value)
+                if not all(isinstance(getattr(value, f.name), (int, str)) for f in dataclasses.fields(value)):
+                    return None
+            elif typ is list and not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+                return None
+            if not isinstance(value, typ) or isinstance(value, bool):
+                return None
+            out.append(value)
+        return tuple(out)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
 
 
 # --- data movers ---------------------------------------------------------------------------------
@@ -273,6 +331,9 @@ class KVSender:
             self.fail(f"{self.sent + len(pages)} pages sent but the decode side allocated {len(self.dst_pages)}")
             return
         peer = self.mgr.peers[self.peer]
+        if time.monotonic() - peer.last_heard > self.mgr.timeout:  # it may have given up and reused the pages
+            self.fail(f"the decode server was silent for {self.mgr.timeout:g} s")
+            return
         notif = f"{self.room}:{self.num_writes}".encode()
         mine, theirs, counts = page_runs(pages, remote)
         try:
@@ -410,7 +471,7 @@ class PrefillTransfer:
             self.dead_rooms[room] = (s.error, time.monotonic())
 
     def send(self, peer: bytes, msg: tuple) -> None:
-        self.sock.send_multipart([peer, pickle.dumps(msg)], flags=zmq.NOBLOCK)
+        self.sock.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
 
     def busy(self) -> bool:
         return any(s.writes for s in self.senders.values())
@@ -418,8 +479,12 @@ class PrefillTransfer:
     def poll(self) -> None:
         now = time.monotonic()
         while self.sock.poll(0):
-            peer, raw = self.sock.recv_multipart()
-            self._handle(peer, pickle.loads(raw), now)
+            frames = self.sock.recv_multipart()
+            msg = decode(frames[-1]) if len(frames) == 2 else None
+            if msg is None:
+                logger.warning("dropped a malformed message on the bootstrap port")
+                continue
+            self._handle(frames[0], msg, now)
         for s in list(self.senders.values()):
             s._progress(now)
         for table in (self.early, self.dead_rooms):
@@ -447,10 +512,10 @@ class PrefillTransfer:
             return
         if peer in self.peers:
             self.peers[peer].last_heard = now
-        if kind == "ping":
+        if kind in ("ping", "claim", "meta") and peer not in self.peers:
+            self.send(peer, ("who", msg[1] if len(msg) > 1 else -1))  # we restarted since its hello: it retries
+        elif kind == "ping":
             self.send(peer, ("pong",))
-        elif kind in ("claim", "meta") and peer not in self.peers:
-            self.send(peer, ("who", msg[1]))  # we restarted since its hello: it says hello again and retries
         elif kind == "claim":
             self.claims[msg[1]] = peer
         elif kind == "meta":
@@ -522,6 +587,7 @@ class KVReceiver:
         self.accepted = False
         self.aborting = False
         self.give_up_at: float | None = None  # aborting: when a silent peer is presumed dead
+        self.done_at: float | None = None  # when the prefill side said every write had landed
         self.seconds = 0.0
 
     @property
@@ -529,9 +595,8 @@ class KVReceiver:
         return self.state not in (KVPoll.Failed, KVPoll.Success)
 
     def init(self) -> None:
-        """Connect, and tell the prefill server this request exists (it waits for our metadata
-        while we wait for KV space, instead of timing out)."""
-        self.mgr._connect(self.addr)
+        """Tell the prefill server this request exists (it waits for our metadata while we wait
+        for KV space, instead of timing out)."""
         if not any(r.addr == self.addr and r.outstanding for r in self.mgr.receivers.values() if r is not self):
             self.mgr.conns[self.addr].last_heard = time.monotonic()  # silence counts from now, not from idle time
         self.mgr._send(self.addr, ("claim", self.room))
@@ -596,9 +661,13 @@ class DecodeTransfer:
         self.notif_counts: dict[int, int] = {}
 
     def receiver(self, host: str, port: int, room: int) -> KVReceiver:
+        """A receiver for ``room``, connected to its prefill server; ValueError if the room is
+        taken or the address is unusable."""
         if room in self.receivers:
             raise ValueError(f"bootstrap_room {room} is already in use on this decode server")
-        r = self.receivers[room] = KVReceiver(self, f"tcp://{host}:{port}", room)
+        addr = f"tcp://{host}:{port}"
+        self._connect(addr)
+        r = self.receivers[room] = KVReceiver(self, addr, room)
         return r
 
     def forget(self, room: int) -> None:
@@ -608,7 +677,11 @@ class DecodeTransfer:
     def abort_room(self, host: str, port: int, room: int) -> None:
         """Tell a prefill server to drop a room this server will not take."""
         addr = f"tcp://{host}:{port}"
-        self._connect(addr)
+        try:
+            self._connect(addr)
+        except ValueError as exc:
+            logger.warning("cannot tell %s to drop room %d: %s", addr, room, exc)
+            return
         self._send(addr, ("abort", room))
 
     def _hello(self, addr: str) -> None:
@@ -618,17 +691,23 @@ class DecodeTransfer:
     def _connect(self, addr: str) -> None:
         if addr in self.conns:
             return
+        if len(self.conns) >= MAX_PREFILL_PEERS:
+            raise ValueError(f"already connected to {MAX_PREFILL_PEERS} prefill servers; {addr} is one too many")
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.mover.agent_name.encode())
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(addr)
+        try:
+            sock.connect(addr)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ValueError(f"cannot connect to the prefill server's bootstrap address {addr}: {exc}") from None
         now = time.monotonic()
         self.conns[addr] = _Conn(sock, now, now)
         self._hello(addr)
 
     def _send(self, addr: str, msg: tuple) -> None:
         try:
-            self.conns[addr].sock.send(pickle.dumps(msg), flags=zmq.NOBLOCK)
+            self.conns[addr].sock.send(encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer is not reachable yet: its silence fails the request later
             logger.warning("could not send %s to %s", msg[0], addr)
 
@@ -640,7 +719,10 @@ class DecodeTransfer:
         for addr, conn in self.conns.items():
             while conn.sock.poll(0):
                 conn.last_heard = now
-                self._handle(addr, pickle.loads(conn.sock.recv()))
+                if (msg := decode(conn.sock.recv())) is None:
+                    logger.warning("dropped a malformed message from %s", addr)
+                    continue
+                self._handle(addr, msg)
         for msg in self.mover.notifs():
             room = int(msg.split(b":", 1)[0])
             if room in self.receivers:
@@ -659,6 +741,8 @@ class DecodeTransfer:
             if r.aborting:
                 if r.give_up_at is not None and now > r.give_up_at:  # the peer is gone: nothing can land
                     r.state = KVPoll.Failed
+            elif r.done_at is not None and now - r.done_at > self.timeout:  # its writes are over: safe
+                r._final(f"{r.writes_expected - r.writes_seen} KV write notifications never arrived")
             elif now - self.conns[r.addr].last_heard > self.timeout:
                 r.abort(f"the prefill server at {r.addr} was silent for {self.timeout:g} s")
             elif r.meta_sent_at is not None and not r.accepted and now - r.meta_sent_at > self.timeout:
@@ -671,10 +755,14 @@ class DecodeTransfer:
         if kind == "who":  # the prefill server restarted: introduce ourselves again, repeat what it lost
             self._hello(addr)
             for r in self.receivers.values():
-                if r.addr == addr and r.outstanding and not r.aborting:
-                    self._send(addr, ("claim", r.room))
-                    if r.meta is not None:
-                        self._send(addr, r.meta)
+                if r.addr != addr or not r.outstanding:
+                    continue
+                if r.aborting:
+                    self._send(addr, ("abort", r.room))
+                    continue
+                self._send(addr, ("claim", r.room))
+                if r.meta is not None:
+                    self._send(addr, r.meta)
             return
         r = self.receivers.get(msg[1])
         if r is None:
@@ -688,6 +776,7 @@ class DecodeTransfer:
             r.accepted = True
             r.writes_expected = writes if self.mover.notifies else 0
             r.writes_seen = self.notif_counts.get(r.room, 0)
+            r.done_at = time.monotonic()
             if r.aborting:
                 r._final("aborted")
             else:
