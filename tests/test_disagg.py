@@ -309,7 +309,7 @@ def test_failure_after_a_decode_cache_hit_frees_only_the_new_pages(pair):
 def test_a_late_prefill_half_cannot_write_into_reused_pages(pair, reference):
     """The decode side gives up on a room whose prefill half is late; its pages go to another
     request only after the prefill side has dropped the room, so the late half writes nothing."""
-    pd = pair(timeout=0.5, decode_radix=False)
+    pd = pair(timeout=1.0, decode_radix=False)
     late = pd.submit("late", PROMPTS[4], to=("d",))
     pd.run_until(pd.done("d:late"), sides="d")  # the prefill server is busy elsewhere: not polled
     assert "did not take" in pd.out["d:late"]["error"] or "silent" in pd.out["d:late"]["error"]
@@ -365,10 +365,10 @@ def test_metadata_outside_the_decode_pool_fails_the_request(pair, monkeypatch):
 
 def test_an_idle_connection_is_not_a_silent_peer(pair, reference):
     """Silence counts only while a request waits: a pair idle past the timeout still works."""
-    pd = pair(timeout=0.5)
+    pd = pair(timeout=1.0)
     pd.submit("first", PROMPTS[1])
     pd.run_until(pd.done("d:first"))
-    time.sleep(1.0)
+    time.sleep(1.5)
     pd.submit("second", PROMPTS[2])
     pd.run_until(pd.done("d:second", "p:second"))
     assert pd.out["d:second"]["error"] is None
@@ -467,6 +467,44 @@ def test_malformed_messages_and_addresses_are_dropped(pair, reference):
     pd.run_until(pd.done("d:ok"))
     assert pd.out["d:ok"]["tokens"] == reference([PROMPTS[2]])[0]
     pd.run_until(pd.idle)
+
+
+def test_a_hostile_prefill_peer_cannot_crash_the_decode_server(pair, monkeypatch):
+    """A "prefill server" that answers with junk: deep nesting, a first token outside the
+    vocabulary, bad notifications. The request fails, the decode server goes on."""
+    import zmq
+
+    pd = pair(timeout=1.0)
+    ctx = zmq.Context()
+    rogue, port = ctx.socket(zmq.ROUTER), free_port()
+    rogue.bind(f"tcp://127.0.0.1:{port}")
+    pd._record("d", pd.d.add(AddRequest("r", PROMPTS[2], GREEDY, Bootstrap("127.0.0.1", port, 5))))
+    notifs = iter([[b"junk"], [b"5:x:y", b"\xff"]])
+    monkeypatch.setattr(pd.d.xfer.mover, "notifs", lambda: next(notifs, []))
+    peer, kinds = None, []
+    deadline = time.monotonic() + 20
+    # the request fails at once; its pages wait for the peer's "released"
+    while not pd.out.get("d:r", {}).get("reason") or pd.d.pending():
+        assert time.monotonic() < deadline
+        pd.step("d")
+        while rogue.poll(10):
+            peer, raw = rogue.recv_multipart()
+            msg = transfer.decode(raw)
+            kinds.append(msg[0])
+            if msg[0] == "meta":
+                rogue.send_multipart([peer, b"[" * 100000])  # deep nesting: not a message
+                rogue.send_multipart([peer, transfer.encode(("accepted", 5))])
+                rogue.send_multipart([peer, transfer.encode(("done", 5, 10**9, len(msg[2]), 0, 0))])
+            elif msg[0] == "abort":
+                rogue.send_multipart([peer, transfer.encode(("released", 5, "ok"))])
+    rogue.close(linger=0)
+    ctx.term()
+    assert kinds[:3] == ["hello", "claim", "meta"] and "abort" in kinds
+    assert "does not fit the request (token 1000000000" in pd.out["d:r"]["error"]
+    assert pd.d.engine.stats()["kv_pages_in_use"] == 0 and not pd.d.pending()
+    time.sleep(1.1)
+    pd.step("d")  # an idle connection is closed after the timeout (no cap on peers over time)
+    assert f"tcp://127.0.0.1:{port}" not in pd.d.xfer.conns
 
 
 def test_seeded_sampling_equals_a_single_server(pair, reference):

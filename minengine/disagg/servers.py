@@ -160,7 +160,10 @@ class DecodeDriver:
         self.engine = engine
         self.reserved = cfg.num_reserved_decode_tokens
         self.xfer = DecodeTransfer(
-            engine.runner.pool.kv, cfg.disaggregation_transfer_backend, cfg.disaggregation_bootstrap_timeout
+            engine.runner.pool.kv,
+            cfg.disaggregation_transfer_backend,
+            cfg.disaggregation_bootstrap_timeout,
+            engine.model_config.vocab_size,
         )
         self.prealloc: deque[tuple[str, Request, KVReceiver]] = deque()
         # KV allocated, metadata held back until the step in flight at allocation is done: that step

@@ -48,6 +48,7 @@ import zmq
 
 logger = logging.getLogger(__name__)
 PING_SECONDS = 1.0
+MAX_MESSAGE_BYTES = 64 << 20  # a control message (metadata of a huge prompt is ~ pages x 8 bytes)
 MAX_PREFILL_PEERS = 256  # distinct bootstrap addresses one decode server talks to
 
 
@@ -182,15 +183,18 @@ def decode(raw: bytes) -> tuple | None:
                 value = base64.b64decode(value["bytes"], validate=True)
             elif typ is KVLayout:
                 value = KVLayout(**value)
-                if not all(isinstance(getattr(value, f.name), (int, str)) for f in dataclasses.fields(value)):
-                    return None
+                for f in dataclasses.fields(value):
+                    v = getattr(value, f.name)
+                    ok = isinstance(v, str) if f.type == "str" else isinstance(v, int) and not isinstance(v, bool)
+                    if not ok or (isinstance(v, int) and v < 0):
+                        return None
             elif typ is list and not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
                 return None
             if not isinstance(value, typ) or isinstance(value, bool):
                 return None
             out.append(value)
         return tuple(out)
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+    except Exception:  # anything unexpected (deep nesting, odd types) is just not our message
         return None
 
 
@@ -243,7 +247,9 @@ class NixlMover:
                 "`pip install nixl`, or use --disaggregation-transfer-backend fake"
             ) from None
         self.agent_name = agent_name
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        # NOTE: no progress thread: NIXL's spins without pause (a core per agent, measured here);
+        # the scheduler loop drives progress itself, every millisecond while a transfer is open
+        self.agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.mem_type = "VRAM" if kv.device.type == "cuda" else "DRAM"
         self._registered = self.agent.register_memory(kv)
 
@@ -427,6 +433,7 @@ class PrefillTransfer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             self.sock.bind(f"tcp://*:{port}")
         except zmq.ZMQError as exc:
@@ -646,14 +653,16 @@ class _Conn:
     sock: zmq.Socket
     last_heard: float
     last_ping: float
+    last_used: float = 0.0  # when we last sent on it (idle connections are closed)
 
 
 class DecodeTransfer:
     """The decode server's connections to prefill servers and its receivers."""
 
-    def __init__(self, kv: torch.Tensor, backend: str, timeout: float):
+    def __init__(self, kv: torch.Tensor, backend: str, timeout: float, vocab_size: int):
         self.layout = KVLayout.of(kv)
         self.timeout = timeout
+        self.vocab_size = vocab_size  # a first token from a peer must be a token
         self.ctx = zmq.Context()
         self.mover = make_mover(backend, kv, "decode")
         self.conns: dict[str, _Conn] = {}
@@ -696,6 +705,7 @@ class DecodeTransfer:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.mover.agent_name.encode())
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             sock.connect(addr)
         except zmq.ZMQError as exc:
@@ -706,6 +716,7 @@ class DecodeTransfer:
         self._hello(addr)
 
     def _send(self, addr: str, msg: tuple) -> None:
+        self.conns[addr].last_used = time.monotonic()
         try:
             self.conns[addr].sock.send(encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer is not reachable yet: its silence fails the request later
@@ -724,7 +735,11 @@ class DecodeTransfer:
                     continue
                 self._handle(addr, msg)
         for msg in self.mover.notifs():
-            room = int(msg.split(b":", 1)[0])
+            try:
+                room = int(msg.split(b":", 1)[0])
+            except ValueError:
+                logger.warning("dropped a malformed KV write notification")
+                continue
             if room in self.receivers:
                 self.notif_counts[room] = self.notif_counts.get(room, 0) + 1
                 self.receivers[room].writes_seen = self.notif_counts[room]
@@ -747,6 +762,9 @@ class DecodeTransfer:
                 r.abort(f"the prefill server at {r.addr} was silent for {self.timeout:g} s")
             elif r.meta_sent_at is not None and not r.accepted and now - r.meta_sent_at > self.timeout:
                 r.abort(f"the prefill server at {r.addr} did not take room {r.room} within {self.timeout:g} s")
+        in_use = {r.addr for r in self.receivers.values()}
+        for addr in [a for a, c in self.conns.items() if a not in in_use and now - c.last_used > self.timeout]:
+            self.conns.pop(addr).sock.close(linger=0)  # idle: a later request connects (and says hello) again
 
     def _handle(self, addr: str, msg: tuple) -> None:
         kind = msg[0]
@@ -772,7 +790,12 @@ class DecodeTransfer:
             if r.state is KVPoll.WaitingForInput:
                 r.state = KVPoll.Transferring
         elif kind == "done":  # every write has landed
-            _, _, r.first_token, r.pages, r.bytes, writes = msg
+            _, _, first_token, pages, nbytes, writes = msg
+            expected = len(r.meta[2]) if r.meta is not None else -1
+            if not 0 <= first_token < self.vocab_size or pages != expected or nbytes < 0 or writes < 0:
+                r.abort(f"the prefill server's answer does not fit the request (token {first_token}, {pages} pages)")
+                return
+            r.first_token, r.pages, r.bytes = first_token, pages, nbytes
             r.accepted = True
             r.writes_expected = writes if self.mover.notifies else 0
             r.writes_seen = self.notif_counts.get(r.room, 0)

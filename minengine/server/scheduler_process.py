@@ -177,10 +177,12 @@ def _serve(engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent
     poller.register(inbox, zmq.POLLIN)
     while os.getppid() == parent_pid:
         updates: list[TokenUpdate] = []
-        for sock in driver.sockets():  # a peer's message wakes an idle loop too
-            if sock not in watched:
-                poller.register(sock, zmq.POLLIN)
-                watched.add(sock)
+        current = set(driver.sockets())  # a peer's message wakes an idle loop too
+        for sock in current - watched:
+            poller.register(sock, zmq.POLLIN)
+        for sock in watched - current:  # closed by the driver (an idle connection)
+            poller.unregister(sock)
+        watched = current
         if driver.has_work():
             timeout = 0
         else:
@@ -198,7 +200,7 @@ def _serve(engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent
                 updates += driver.abort_all()
                 outbox.send_pyobj(StepOutput(rank, updates, engine.stats()))
                 return
-        if driver.has_work() or driver.pending() or lockstep or watched:
+        if driver.has_work() or driver.pending() or lockstep or not isinstance(driver, LocalDriver):
             updates += driver.step()
         outcomes = engine.drain_delayer_outcomes()
         received, sent = driver.drain_transfer_stats()
