@@ -448,7 +448,6 @@ class PrefillTransfer:
         self.early: dict[int, tuple[bytes, list[int], int, float]] = {}  # metadata before the request
         self.claims: dict[int, bytes] = {}  # room -> the decode server waiting to send its metadata
         self.dead_rooms: dict[int, tuple[str, float]] = {}  # failed or aborted before the metadata came
-        self.pages_sent = 0  # for the metrics
 
     def sender(self, room: int, num_prompt_tokens: int) -> KVSender:
         if room in self.senders:
@@ -478,7 +477,10 @@ class PrefillTransfer:
             self.dead_rooms[room] = (s.error, time.monotonic())
 
     def send(self, peer: bytes, msg: tuple) -> None:
-        self.sock.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
+        try:
+            self.sock.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a peer gone or not reading: its own timeouts take over
+            logger.warning("could not send %s to a decode server: %s", msg[0], exc)
 
     def busy(self) -> bool:
         return any(s.writes for s in self.senders.values())
@@ -719,7 +721,7 @@ class DecodeTransfer:
         self.conns[addr].last_used = time.monotonic()
         try:
             self.conns[addr].sock.send(encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:  # the peer is not reachable yet: its silence fails the request later
+        except zmq.ZMQError:  # the peer is not reachable: its silence fails the request later
             logger.warning("could not send %s to %s", msg[0], addr)
 
     def busy(self) -> bool:
