@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,13 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving  # noqa: E402
 from _common import RESULTS, header, report, save, stem  # noqa: E402
 
+from minengine.server.workers import free_port  # noqa: E402
+
 COUNTERS = ("minengine:kv_transfer_pages_total", "minengine:kv_transfer_bytes_total")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def counters(url: str) -> dict[str, float]:

@@ -34,6 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.background import BackgroundTask
 
+from minengine.serve import LOG_LEVELS, OneLineParser
 from minengine.server.api import error_response
 
 logger = logging.getLogger("minengine.router")
@@ -312,13 +313,8 @@ def build_app(router: Router) -> FastAPI:
     return app
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parse_args(argv: list[str] | None = None):
-    parser = _Parser(prog="python -m minengine.router", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python -m minengine.router", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--prefill",
         nargs="+",
@@ -330,7 +326,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--decode", action="append", required=True, metavar="URL", help="a decode server; repeatable")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     args = parser.parse_args(argv)
     prefills = []
     for spec in args.prefill:

@@ -23,13 +23,13 @@ logger = logging.getLogger("minengine.serve")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, no usage dump
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="python -m minengine.serve",
         description="OpenAI-compatible server for minengine.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -70,8 +70,7 @@ class Scheduler:
             RunningInfo(r.rid, r.num_pending, r.prefilling, len(r.pages), self.pages_for(r.max_len))
             for r in self.running
         ]
-        # requests whose KV is arriving count toward max_running and the KV reservation, run nothing
-        running += [RunningInfo(r.rid, 0, False, len(r.pages), self.pages_for(r.max_len)) for r in self.receiving]
+        running += self._reservations(self.receiving)
         waiting = [
             WaitingInfo(
                 w.rid,
@@ -241,18 +240,17 @@ class Scheduler:
         the prefix cache, lock the match, and allocate pages for the rest of the prompt plus
         ``reserved_tokens`` generated tokens. False (nothing taken) if it does not fit now.
 
-        The capacity check is the policy's full-sequence check, made again after locking (a lock
-        makes cached pages unevictable). ``req.cached_pages * page_size`` tokens need no transfer.
+        Admission is the policy's (``max_running`` and the full-sequence KV check), asked after
+        locking (a lock makes cached pages unevictable). ``req.cached_pages * page_size`` tokens
+        need no transfer.
         """
-        if len(self.running) + len(self.receiving) >= self.max_running:
-            return False
         pages, node = self.cache.match_prefix(req.prompt_ids) if self.cache is not None else ([], None)
         if node is not None:
             self.cache.lock(node)
-        final = self.pages_for(req.max_len)
-        outstanding = sum(self.pages_for(r.max_len) - len(r.pages) for r in (*self.running, *self.receiving))
         evictable = self.cache.evictable_pages if self.cache is not None else 0
-        if self.allocator.num_free + evictable - outstanding < final - len(pages):
+        candidate = WaitingInfo(req.rid, 0, len(pages), 0, self.pages_for(req.max_len))  # its match is pinned
+        budget = Budget(1, self.max_running, self.allocator.num_free + evictable)
+        if not build_schedule(self._reservations((*self.running, *self.receiving)), [candidate], budget).admitted:
             if node is not None:
                 self.cache.unlock(node)
             return False
@@ -264,6 +262,11 @@ class Scheduler:
         self.receiving.append(req)
         self._grow(req, min(req.max_len, len(req.prompt_ids) + reserved_tokens))
         return True
+
+    def _reservations(self, reqs) -> list[RunningInfo]:
+        """Requests as the policy's KV reservation sees them, with nothing to run (a request whose
+        KV is arriving counts toward max_running and the reservation, and runs nothing)."""
+        return [RunningInfo(r.rid, 0, False, len(r.pages), self.pages_for(r.max_len)) for r in reqs]
 
     def activate(self, req: Request, first_token: int) -> None:
         """The prompt's KV and the first token arrived: the request joins the decode batch."""

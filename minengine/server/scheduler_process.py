@@ -200,7 +200,7 @@ def _serve(engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent
                 updates += driver.abort_all()
                 outbox.send_pyobj(StepOutput(rank, updates, engine.stats()))
                 return
-        if driver.has_work() or driver.pending() or lockstep or not isinstance(driver, LocalDriver):
+        if driver.has_work() or driver.pending() or lockstep or watched:  # a peer may have written
             updates += driver.step()
         outcomes = engine.drain_delayer_outcomes()
         received, sent = driver.drain_transfer_stats()
