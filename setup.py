@@ -89,7 +89,8 @@ class NinjaCudaBuild(build_ext):
             "rule link",
             f"  command = {cxx} $in $ldflags -o $out",
         ]
-        for src in sorted(CSRC.glob("*.cu")) + sorted(CSRC.glob("*.cpp")):
+        # emulate_capi.cpp belongs to the CPU emulator (minengine/ops/cuda_emulator.py), not to _C.
+        for src in sorted(CSRC.glob("*.cu")) + [CSRC / "bindings.cpp"]:
             obj = build / (src.name + ".o")
             objs.append(str(obj))
             lines.append(f"build {obj}: {'nvcc' if src.suffix == '.cu' else 'cxx'} {src}")

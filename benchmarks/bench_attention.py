@@ -135,6 +135,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
             theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
             row["cuda_ms"] = bench(theirs)
             row["cuda_rel_err_vs_fp64"] = relative_error(theirs(), ref)
+            row["cuda_kernel"] = cuda_backend.chosen_kernel(*batch.args())
     else:
         first = make(case.q_lens[: case.split_at], case.seq_lens[: case.split_at])
         second = make(case.q_lens[case.split_at :], case.seq_lens[case.split_at :])
@@ -214,6 +215,9 @@ def run_grid(args: argparse.Namespace, device: torch.device, bench: Callable, ce
                     times = {"triton": bench(lambda b=batch, o=out: triton_kernels.paged_attention(*b.args(), out=o))}
                     if cuda_backend.available():
                         times["cuda"] = bench(lambda b=batch, o=out: cuda_backend.paged_attention(*b.args(), out=o))
+                        times["cuda-simt"] = bench(
+                            lambda b=batch, o=out: cuda_backend.paged_attention(*b.args(), out=o, impl="simt")
+                        )
                     if flashinfer_ref.available() and page in (16, 64):
                         with contextlib.suppress(Exception):  # a shape FlashInfer does not take is a skip
                             times["flashinfer"] = bench(flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run)
@@ -222,7 +226,7 @@ def run_grid(args: argparse.Namespace, device: torch.device, bench: Callable, ce
                     nbytes = kv_bytes(kv_lens, hkv, d, 2)
                     flops = attention_flops(q_lens, kv_lens, hq, d)
                     for backend, ms in times.items():
-                        row = dict(shape=shape_name, page=page, dtype=str(dtype).split(".")[-1], kind=kind)
+                        row = dict(shape=shape_name, page=page, dtype=str(dtype).split(".")[-1], kind=kind, head_dim=d)
                         row |= dict(
                             backend=backend, ms=ms, kv_bw_frac=nbytes / (ms / 1e3) / 1e9 / ceilings["copy_gbps"]
                         )
@@ -298,6 +302,24 @@ def check_targets(rows: list[dict]) -> list[str]:
     return verdicts
 
 
+def write_tuning(grid: list[dict], report: dict, device: torch.device) -> Path:
+    """The table `auto` reads on this device: per (kind, dtype, head dim), the faster of ours."""
+    from minengine.ops import tuning
+
+    if device.type != "cuda":
+        raise SystemExit("--write-tuning needs a CUDA GPU (the table is per device)")
+    choices = tuning.pick_from_rows(grid)
+    if not choices:
+        raise SystemExit("--write-tuning needs --suite full with both the triton and cuda backends timed")
+    name = torch.cuda.get_device_name(device)
+    path = tuning.table_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device_name": name, "command": report["command"], "date": report["date"], "info": report["info"]}
+    path.write_text(json.dumps({**meta, "choices": choices}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
@@ -309,6 +331,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--suite", choices=["core", "full"], default="core", help="full: the backend x shape grid too")
+    parser.add_argument(
+        "--write-tuning",
+        action="store_true",
+        help="with --suite full: write minengine/ops/tuning/<device>.json, the per-shape choice of `auto`",
+    )
     args = parser.parse_args(argv)
 
     if args.smoke and not torch.cuda.is_available():
@@ -334,6 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
     if grid:
         args.out.mkdir(parents=True, exist_ok=True)
         plot_grid(grid, args.out / f"{stem('attention', report)}_grid.png")
+    if args.write_tuning:
+        write_tuning(grid, report, device)
     save(args.out, stem("attention", report), report, markdown(report))
     print(markdown(report))
     return report

@@ -3,7 +3,7 @@
 # into one archive (the device tool returns at most 8 files):
 #
 #   bash benchmarks/gpu_session.sh tests      # build minengine._C, pytest -m gpu, memcheck
-#   bash benchmarks/gpu_session.sh kernels    # bench_attention (core + full grid), ncu summaries
+#   bash benchmarks/gpu_session.sh kernels    # bench_attention (core + full grid, auto's tuning table), ncu
 #   bash benchmarks/gpu_session.sh engine     # bench_decode (roofline, idle), bench_offline
 #   bash benchmarks/gpu_session.sh serving    # run_ablations.sh (chunk budget, delayer, overlap)
 #   bash benchmarks/gpu_session.sh disagg     # bench_disagg.py (router, decode radix cache off/on)
@@ -30,10 +30,12 @@ python3 setup.py build_ext --inplace > "$WORK/logs/build.log" 2>&1 || echo "buil
 case $PHASE in
   tests)
     python3 -m pytest -q -m gpu tests 2>&1 | tee "$WORK/logs/pytest_gpu.log" | tail -20
+    python3 -m pytest -q tests/test_cuda_kernels.py 2>&1 | tee "$WORK/logs/pytest_cuda_kernels.log" | tail -5
     bash profiles/memcheck.sh > "$WORK/logs/memcheck.log" 2>&1; echo "memcheck exit $?"
     ;;
   kernels)
-    python3 benchmarks/bench_attention.py --suite full --out "$WORK/results" 2>&1 | tail -40
+    python3 benchmarks/bench_attention.py --suite full --write-tuning --out "$WORK/results" 2>&1 | tail -40
+    cp minengine/ops/tuning/*.json "$WORK/results/" 2>/dev/null  # commit it back to minengine/ops/tuning/
     bash profiles/ncu_kernels.sh > "$WORK/logs/ncu.log" 2>&1 && cp profiles/out/ncu_*.txt "$WORK/logs/"
     ;;
   engine)

@@ -11,23 +11,29 @@ using namespace minengine;
 PYBIND11_MODULE(_C, m) {
   m.doc() = "minengine CUDA kernels (raw pointers, no torch ABI)";
 
-  m.def(
-      "paged_attention",
-      [](uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t out, uintptr_t block_tables, uintptr_t seq_lens,
-         uintptr_t cu_seqlens_q, int64_t num_tokens, int64_t num_seqs, int64_t num_q_heads, int64_t num_kv_heads,
-         int64_t head_dim, int64_t page_size, int64_t sq_t, int64_t sq_h, int64_t sk_p, int64_t sk_s, int64_t sk_h,
-         int64_t sv_p, int64_t sv_s, int64_t sv_h, int64_t so_t, int64_t so_h, int64_t sbt, double softmax_scale,
-         int dtype, uintptr_t stream) {
-        paged_attention({q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, num_tokens, num_seqs,
-                         num_q_heads, num_kv_heads, head_dim, page_size, sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s,
-                         sv_h, so_t, so_h, sbt, softmax_scale, dtype, stream});
-      },
-      py::kw_only(), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("out"), py::arg("block_tables"),
-      py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::arg("num_tokens"), py::arg("num_seqs"),
-      py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("page_size"), py::arg("sq_t"),
-      py::arg("sq_h"), py::arg("sk_p"), py::arg("sk_s"), py::arg("sk_h"), py::arg("sv_p"), py::arg("sv_s"),
-      py::arg("sv_h"), py::arg("so_t"), py::arg("so_h"), py::arg("sbt"), py::arg("softmax_scale"), py::arg("dtype"),
-      py::arg("stream"));
+  // paged_attention and attention_impl take the same keyword arguments (PagedAttentionArgs).
+  auto attention_args = [](py::kwargs kw) {
+    auto p = [&](const char* name) { return kw[name].cast<uintptr_t>(); };
+    auto i = [&](const char* name) { return kw[name].cast<int64_t>(); };
+    PagedAttentionArgs a{};
+    a.q = p("q"), a.k_cache = p("k_cache"), a.v_cache = p("v_cache"), a.out = p("out");
+    a.block_tables = p("block_tables"), a.seq_lens = p("seq_lens"), a.cu_seqlens_q = p("cu_seqlens_q");
+    a.part_acc = p("part_acc"), a.part_ml = p("part_ml");
+    a.num_tokens = i("num_tokens"), a.num_seqs = i("num_seqs"), a.num_q_heads = i("num_q_heads");
+    a.num_kv_heads = i("num_kv_heads"), a.head_dim = i("head_dim"), a.page_size = i("page_size");
+    a.max_seqlen_q = i("max_seqlen_q"), a.num_splits = i("num_splits");
+    a.sq_t = i("sq_t"), a.sq_h = i("sq_h"), a.sk_p = i("sk_p"), a.sk_s = i("sk_s"), a.sk_h = i("sk_h");
+    a.sv_p = i("sv_p"), a.sv_s = i("sv_s"), a.sv_h = i("sv_h"), a.so_t = i("so_t"), a.so_h = i("so_h");
+    a.sbt = i("sbt");
+    a.softmax_scale = kw["softmax_scale"].cast<double>();
+    a.dtype = kw["dtype"].cast<int>(), a.impl = kw["impl"].cast<int>();
+    a.stream = p("stream");
+    if (kw.size() != 32) throw py::type_error("paged_attention takes exactly the 32 PagedAttentionArgs keywords");
+    return a;
+  };
+  m.def("paged_attention", [attention_args](py::kwargs kw) { paged_attention(attention_args(kw)); });
+  m.def("attention_impl", [attention_args](py::kwargs kw) { return attention_impl(attention_args(kw)); },
+        "1: the CUDA-core kernel, 2: the tensor-core kernel would run for these arguments");
 
   m.def(
       "store_kv",

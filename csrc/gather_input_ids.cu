@@ -24,7 +24,8 @@ void gather_input_ids(const GatherArgs& a) {
   auto launch = [&](auto* id_tag, auto* index_tag) {
     using T = std::remove_pointer_t<decltype(id_tag)>;
     using I = std::remove_pointer_t<decltype(index_tag)>;
-    gather_kernel<T, I><<<blocks, threads, 0, stream>>>(
+    auto kernel = gather_kernel<T, I>;
+    ME_LAUNCH(kernel, dim3(blocks), dim3(threads), 0, stream,
         reinterpret_cast<const T*>(a.prefill_ids), reinterpret_cast<const T*>(a.token_buffer),
         reinterpret_cast<const I*>(a.decode_indices), reinterpret_cast<T*>(a.out), a.num_prefill, total, a.sp, a.sb,
         a.si, a.so);

@@ -6,12 +6,17 @@
 
 namespace minengine {
 
+// impl: kAttentionAuto picks the tensor-core kernel when it applies (fp16/bf16 and 16-byte aligned
+// K/V rows, 4-byte aligned q rows), else the CUDA-core one. num_splits > 1 (tensor-core kernel only)
+// needs part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
+enum AttentionImpl : int { kAttentionAuto = 0, kAttentionSimt = 1, kAttentionMma = 2 };
+
 struct PagedAttentionArgs {
-  uintptr_t q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q;
-  int64_t num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, page_size;
+  uintptr_t q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, part_acc, part_ml;
+  int64_t num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, page_size, max_seqlen_q, num_splits;
   int64_t sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, so_t, so_h, sbt;
   double softmax_scale;
-  int dtype;
+  int dtype, impl;
   uintptr_t stream;
 };
 
@@ -31,6 +36,8 @@ struct GatherArgs {
 };
 
 void paged_attention(const PagedAttentionArgs& args);
+// Which kernel paged_attention runs for these arguments (kAttentionSimt or kAttentionMma).
+int attention_impl(const PagedAttentionArgs& args);
 void store_kv(const StoreKVArgs& args);
 void gather_input_ids(const GatherArgs& args);
 

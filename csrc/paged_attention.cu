@@ -1,14 +1,27 @@
-// paged_attention on CUDA cores (contract: triton_kernels/attention.py).
+// paged_attention (contract: triton_kernels/attention.py): a mixed batch of prefill chunks and
+// decodes in one launch over paged K/V caches. Two kernels:
 //
-// One block per (query token, query head), 4 warps. The block finds its sequence by binary search
-// over cu_seqlens_q (tokens past the last sequence are padding and get zeros), then the warps split
-// the visible keys 0..pos: each warp walks every 4th key, its 32 lanes split the head dim
-// (coalesced reads of a K/V row), and keeps an online softmax (max, sum, acc). The warps' partial
-// results are merged through shared memory. Keys at or past seq_len and block-table entries past
-// the last page are never read; offsets are 64-bit. Accumulation is fp32.
+// Tensor cores (fp16 / bf16; mma.sync m16n8k16, sm_80 and later, Hopper included).
+//   Rows are (query token, query head) pairs of one sequence and one KV head, token-major, so the
+//   `group` query heads that share a KV head fill the rows of a decode (GQA packing). Each warp owns
+//   16 rows; Q stays in registers as mma A fragments; K/V tiles stream through shared memory with
+//   cp.async (double-buffered where it fits), each key's page looked up in the block table, so any
+//   page size works; keys past the causal limit, the split's range or seq_len are never read (the
+//   copy zero-fills) and are masked to -inf. Online softmax in fp32 (log2 domain), P is reused from
+//   the S accumulators as the A operand of P @ V.
+//   One launch holds two tile shapes, POD-style: blocks [0, prefill_blocks) run 64-row tiles (4 warps
+//   along rows sharing each 64-key tile) over sequences with more than 16 rows; the next num_seqs
+//   blocks run one 16-row tile per remaining sequence (decodes and tiny chunks), its 4 warps splitting
+//   the keys 4 ways and merging through shared memory; the last block zeroes the padding rows past
+//   cu_seqlens_q[-1]. Prefill tiles find their sequence by binary search: sequence b owns blocks
+//   [cu[b] * group / 64 + b, cu[b + 1] * group / 64 + b + 1), so the grid needs no device data.
+//   Split-KV (grid z > 1) gives each split a contiguous range of key tiles; partial (acc, max, sum)
+//   go to an fp32 workspace and merge_splits_kernel combines them (one more launch).
 //
-// This is the correct-by-construction baseline of the CUDA backend; the tensor-core (mma.sync /
-// wgmma) tiles with split-KV and prefill/decode co-scheduling are still to come.
+// CUDA cores (fp32, or unaligned K/V): one block per (query token, query head), 4 warps; each warp
+// walks every 4th visible key with its lanes splitting the head dim, then the warps merge.
+//
+// Offsets into q, caches and out are 64-bit; accumulation is fp32.
 #include <cmath>
 
 #include "common.cuh"
@@ -16,9 +29,9 @@
 
 namespace minengine {
 
-constexpr int kWarps = 4;
+constexpr int kThreads = 128;  // 4 warps, both kernels
 constexpr int kMaxHeadDim = 256;
-constexpr int kPerLane = kMaxHeadDim / 32;
+constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -26,19 +39,29 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// ---- CUDA-core kernel --------------------------------------------------------------------------
+
+constexpr int kSimtWarps = kThreads / 32;
+constexpr int kPerLane = kMaxHeadDim / 32;
+
+// Shared memory of the CUDA-core kernel: the sequence id, then per-warp max, sum and accumulators.
+constexpr size_t kSimtSmem = 16 + sizeof(float) * kSimtWarps * (2 + kMaxHeadDim);
+
 template <typename T>
-__global__ void __launch_bounds__(kWarps * 32)
-    paged_attention_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-                           T* __restrict__ out, const int32_t* __restrict__ block_tables,
-                           const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ cu_seqlens_q,
-                           int num_seqs, int group, int head_dim, int page_size, int64_t sq_t, int64_t sq_h,
-                           int64_t sk_p, int64_t sk_s, int64_t sk_h, int64_t sv_p, int64_t sv_s, int64_t sv_h,
-                           int64_t so_t, int64_t so_h, int64_t sbt, float scale) {
+__global__ void __launch_bounds__(kThreads)
+    attention_simt_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                          T* __restrict__ out, const int32_t* __restrict__ block_tables,
+                          const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ cu_seqlens_q, int num_seqs,
+                          int group, int head_dim, int page_size, int64_t sq_t, int64_t sq_h, int64_t sk_p,
+                          int64_t sk_s, int64_t sk_h, int64_t sv_p, int64_t sv_s, int64_t sv_h, int64_t so_t,
+                          int64_t so_h, int64_t sbt, float scale) {
+  ME_DYNAMIC_SMEM(smem);
+  int* s_seq = reinterpret_cast<int*>(smem);
+  float* s_max = reinterpret_cast<float*>(smem + 16);
+  float* s_sum = s_max + kSimtWarps;
+  float* s_acc = s_sum + kSimtWarps;  // [warp][kMaxHeadDim]
   const int token = blockIdx.x, head = blockIdx.y, kv_head = head / group;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __shared__ int s_seq;
-  __shared__ float s_max[kWarps], s_sum[kWarps];
-  __shared__ float s_acc[kWarps][kMaxHeadDim];
 
   if (threadIdx.x == 0) {  // the last b with cu[b] <= token; b == num_seqs: padding
     int lo = 0, hi = num_seqs;
@@ -46,10 +69,10 @@ __global__ void __launch_bounds__(kWarps * 32)
       const int mid = (lo + hi + 1) / 2;
       if (cu_seqlens_q[mid] <= token) lo = mid; else hi = mid - 1;
     }
-    s_seq = lo;
+    *s_seq = lo;
   }
   __syncthreads();
-  const int seq = s_seq;
+  const int seq = *s_seq;
   T* o = out + static_cast<int64_t>(token) * so_t + static_cast<int64_t>(head) * so_h;
   if (seq >= num_seqs) {
     for (int x = threadIdx.x; x < head_dim; x += blockDim.x) o[x] = from_float<T>(0.f);
@@ -69,7 +92,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   float m = -INFINITY, l = 0.f;
   const int32_t* table = block_tables + static_cast<int64_t>(seq) * sbt;
-  for (int j = warp; j < kv_end; j += kWarps) {
+  for (int j = warp; j < kv_end; j += kSimtWarps) {
     const int64_t page = table[j / page_size];
     const int64_t slot = j % page_size;
     const T* kp = k_cache + page * sk_p + slot * sk_s + static_cast<int64_t>(kv_head) * sk_h;
@@ -99,40 +122,492 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int x = lane + 32 * i;
-    if (x < head_dim) s_acc[warp][x] = acc[i];
+    if (x < head_dim) s_acc[warp * kMaxHeadDim + x] = acc[i];
   }
   __syncthreads();
   float m_all = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, s_max[w]);
+  for (int w = 0; w < kSimtWarps; ++w) m_all = fmaxf(m_all, s_max[w]);
   for (int x = threadIdx.x; x < head_dim; x += blockDim.x) {
     float total = 0.f, value = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < kSimtWarps; ++w) {
       const float weight = s_max[w] == -INFINITY ? 0.f : expf(s_max[w] - m_all);
       total += weight * s_sum[w];
-      value += weight * s_acc[w][x];
+      value += weight * s_acc[w * kMaxHeadDim + x];
     }
     o[x] = from_float<T>(total > 0.f ? value / total : 0.f);
   }
 }
 
-void paged_attention(const PagedAttentionArgs& a) {
-  if (a.num_tokens == 0) return;
-  if (a.head_dim > kMaxHeadDim) throw std::invalid_argument("head_dim above 256");
+// ---- tensor-core kernel ------------------------------------------------------------------------
+
+struct MmaParams {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  void* out;
+  float* part_acc;  // [num_splits, num_tokens, Hq, head_dim] when num_splits > 1
+  float* part_ml;   // [num_splits, num_tokens, Hq, 2]: running max (log2 domain) and sum
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* cu;
+  int num_seqs, num_tokens, num_q_heads, group, head_dim, page_size, num_splits, prefill_blocks;
+  int64_t sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, so_t, so_h, sbt;
+  float scale_log2;  // softmax_scale * log2(e)
+};
+
+// Tile shapes for a head dim padded to D (64, 128 or 256): keys per stage and pipeline depth of
+// the prefill (4 warps x 16 rows) and decode (16 rows, 4 warps along keys) tiles, chosen so a
+// block needs at most about 70 KB of shared memory.
+template <int D> struct MmaShape {
+  static constexpr int kPrefillKeys = D > 128 ? 32 : 64, kPrefillStages = 2;
+  static constexpr int kDecodeKeys = 64, kDecodeStages = D > 128 ? 1 : 2;
+  static constexpr int kPitch = D + 8;  // shared-memory row pitch (elements): conflict-free fragments
+};
+
+template <typename T, int D, int KEYS, int STAGES> constexpr size_t kv_smem_bytes() {
+  return static_cast<size_t>(2) * STAGES * KEYS * MmaShape<D>::kPitch * sizeof(T);
+}
+
+template <typename T, int D> constexpr size_t mma_smem_bytes() {
+  constexpr size_t prefill = kv_smem_bytes<T, D, MmaShape<D>::kPrefillKeys, MmaShape<D>::kPrefillStages>();
+  constexpr size_t decode = kv_smem_bytes<T, D, MmaShape<D>::kDecodeKeys, MmaShape<D>::kDecodeStages>();
+  constexpr size_t merge = sizeof(float) * 4 * 16 * (D + 2);  // decode tiles: 4 warps' partials
+  return prefill > decode ? (prefill > merge ? prefill : merge) : (decode > merge ? decode : merge);
+}
+
+// One tile of BM = 16 * WM rows of sequence `seq`, starting at row tile * BM; WN warps split each
+// stage's KEYS keys (WM * WN = 4 warps).
+template <typename T, int D, int WM, int WN, int KEYS, int STAGES>
+__device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq, int tile) {
+  constexpr int BM = 16 * WM, KW = KEYS / WN, LD = MmaShape<D>::kPitch, CHUNKS = D / 8;
+  static_assert(WM * WN == kThreads / 32 && KW % 16 == 0, "tile shape");
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp / WN, wn = warp % WN, g = lane >> 2, t = lane & 3;
+
+  const int q_start = p.cu[seq], q_len = p.cu[seq + 1] - q_start;
+  const int n_rows = q_len * p.group, row0 = tile * BM;
+  if (row0 >= n_rows) return;  // whole block
+  const int ctx = p.seq_lens[seq] - q_len;  // position of the sequence's first query token
+  const int last_row = (row0 + BM < n_rows ? row0 + BM : n_rows) - 1;
+  const int kv_end = ctx + last_row / p.group + 1;  // keys any row of the tile sees
+  const int num_stages = (kv_end + KEYS - 1) / KEYS;
+  const int per_split = (num_stages + p.num_splits - 1) / p.num_splits;
+  const int stage_lo = split * per_split;
+  const int stage_hi = stage_lo + per_split < num_stages ? stage_lo + per_split : num_stages;
+  const int key_hi = stage_hi * KEYS < kv_end ? stage_hi * KEYS : kv_end;
+
+  // The two rows of this thread: r = row0 + wm * 16 + g (+ 8).
+  int pos[2], tok[2], head[2];
+  bool valid[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = row0 + wm * 16 + g + 8 * i;
+    valid[i] = r < n_rows;
+    tok[i] = q_start + (valid[i] ? r / p.group : 0);
+    head[i] = kv_head * p.group + (valid[i] ? r % p.group : 0);
+    pos[i] = valid[i] ? ctx + r / p.group : -1;  // an invalid row sees no key
+  }
+
+  const T* q = static_cast<const T*>(p.q);
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = j & 1, d = kk * 16 + 2 * t + (j >= 2 ? 8 : 0);
+      qf[kk][j] = 0u;
+      if (valid[i] && d < p.head_dim) {
+        qf[kk][j] = *reinterpret_cast<const uint32_t*>(q + static_cast<int64_t>(tok[i]) * p.sq_t +
+                                                       static_cast<int64_t>(head[i]) * p.sq_h + d);
+      }
+    }
+  }
+
+  float acc[D / 8][4];
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  T* ks = reinterpret_cast<T*>(smem);  // [STAGES][KEYS][LD]
+  T* vs = ks + STAGES * KEYS * LD;
+  const T* k_base = static_cast<const T*>(p.k_cache);
+  const T* v_base = static_cast<const T*>(p.v_cache);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
+
+  auto load_stage = [&](int stage, int buf) {
+    for (int i = threadIdx.x; i < KEYS * CHUNKS; i += kThreads) {
+      const int row = i / CHUNKS, c = i % CHUNKS, key = stage * KEYS + row;
+      if (c * 8 >= p.head_dim) continue;  // columns past head_dim are never read back
+      const T* ksrc = k_base;
+      const T* vsrc = v_base;
+      const bool live = key < key_hi;
+      if (live) {
+        const int64_t page = table[key / p.page_size], slot = key % p.page_size;
+        ksrc = k_base + page * p.sk_p + slot * p.sk_s + kv_head * p.sk_h + c * 8;
+        vsrc = v_base + page * p.sv_p + slot * p.sv_s + kv_head * p.sv_h + c * 8;
+      }
+      cp_async_16(ks + (buf * KEYS + row) * LD + c * 8, ksrc, live ? 16 : 0);
+      cp_async_16(vs + (buf * KEYS + row) * LD + c * 8, vsrc, live ? 16 : 0);
+    }
+  };
+
+  if (stage_lo < stage_hi) load_stage(stage_lo, 0);
+  cp_async_commit();
+  for (int stage = stage_lo; stage < stage_hi; ++stage) {
+    const int buf = (stage - stage_lo) % STAGES;
+    if (STAGES > 1) {
+      if (stage + 1 < stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    // S = Q K^T for this warp's KW keys.
+    const int key0 = stage * KEYS + wn * KW;
+    const T* kt = ks + (buf * KEYS + wn * KW) * LD;
+    const T* vt = vs + (buf * KEYS + wn * KW) * LD;
+    float s[KW / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      if (kk * 16 >= p.head_dim) break;
+#pragma unroll
+      for (int nt = 0; nt < KW / 8; ++nt) {
+        const T* kr = kt + (nt * 8 + g) * LD + kk * 16 + 2 * t;
+        const uint32_t b[2] = {*reinterpret_cast<const uint32_t*>(kr), *reinterpret_cast<const uint32_t*>(kr + 8)};
+        mma_16816<T>(s[nt], qf[kk], b);
+      }
+    }
+
+    // Causal / range mask, then the online softmax update of each row.
+#pragma unroll
+    for (int nt = 0; nt < KW / 8; ++nt) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = key0 + nt * 8 + 2 * t + (j & 1);
+        const bool seen = key < key_hi && key <= pos[j >> 1];
+        s[nt][j] = seen ? s[nt][j] * p.scale_log2 : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < KW / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m[i], mx);
+      const float base = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m[i] - base);
+      m[i] = m_new;
+      l[i] *= alpha;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        acc[dn][2 * i] *= alpha;
+        acc[dn][2 * i + 1] *= alpha;
+      }
+#pragma unroll
+      for (int nt = 0; nt < KW / 8; ++nt) {
+        s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
+        s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
+        l[i] += s[nt][2 * i] + s[nt][2 * i + 1];
+      }
+    }
+
+    // O += P V: P's accumulators become A fragments (16 keys = two 8-key tiles).
+#pragma unroll
+    for (int kc = 0; kc < KW / 16; ++kc) {
+      const uint32_t a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]), pack2<T>(s[2 * kc][2], s[2 * kc][3]),
+                             pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                             pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+      const uint16_t* vr = reinterpret_cast<const uint16_t*>(vt + (kc * 16 + 2 * t) * LD + g);
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        if (dn * 8 >= p.head_dim) break;
+        const uint16_t* v0 = vr + dn * 8;
+        const uint32_t b[2] = {pack_bits(v0[0], v0[LD]), pack_bits(v0[8 * LD], v0[9 * LD])};
+        mma_16816<T>(acc[dn], a, b);
+      }
+    }
+    __syncthreads();  // the buffer is refilled next
+    if (STAGES == 1 && stage + 1 < stage_hi) {
+      load_stage(stage + 1, 0);
+      cp_async_commit();
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // the 4 threads of a quad share a row: total its sum
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+
+  T* out = static_cast<T*>(p.out);
+  const bool partial = p.num_splits > 1;
+  auto row_offset = [&](int token, int h) {  // index of (split, token, head) in the workspace
+    return (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_q_heads + h;
+  };
+
+  if (WN == 1) {  // each warp holds whole rows: write them
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!valid[i]) continue;
+      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      const int64_t w = row_offset(tok[i], head[i]);
+      T* o = out + static_cast<int64_t>(tok[i]) * p.so_t + static_cast<int64_t>(head[i]) * p.so_h;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const int d = dn * 8 + 2 * t;
+        if (d >= p.head_dim) break;
+        if (partial) {
+          p.part_acc[w * p.head_dim + d] = acc[dn][2 * i];
+          p.part_acc[w * p.head_dim + d + 1] = acc[dn][2 * i + 1];
+        } else {
+          o[d] = from_float<T>(acc[dn][2 * i] * inv);
+          o[d + 1] = from_float<T>(acc[dn][2 * i + 1] * inv);
+        }
+      }
+      if (partial && t == 0) {
+        p.part_ml[w * 2] = m[i];
+        p.part_ml[w * 2 + 1] = l[i];
+      }
+    }
+    return;
+  }
+
+  // WN warps hold the same 16 rows over different keys: merge them through shared memory.
+  float* red_ml = reinterpret_cast<float*>(smem);  // [WN][16][2]
+  float* red_acc = red_ml + WN * 16 * 2;           // [WN][16][D]
+  __syncthreads();                                 // all warps are done with the K/V buffers
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = g + 8 * i;
+    if (t == 0) {
+      red_ml[(wn * 16 + r) * 2] = m[i];
+      red_ml[(wn * 16 + r) * 2 + 1] = l[i];
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      const int d = dn * 8 + 2 * t;
+      if (d >= p.head_dim) break;
+      red_acc[(wn * 16 + r) * D + d] = acc[dn][2 * i];
+      red_acc[(wn * 16 + r) * D + d + 1] = acc[dn][2 * i + 1];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < 16 * p.head_dim; idx += kThreads) {
+    const int r = idx / p.head_dim, d = idx % p.head_dim, row = row0 + r;
+    if (row >= n_rows) continue;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WN; ++w) mx = fmaxf(mx, red_ml[(w * 16 + r) * 2]);
+    const float base = mx == -INFINITY ? 0.f : mx;
+    float sum = 0.f, value = 0.f;
+#pragma unroll
+    for (int w = 0; w < WN; ++w) {
+      const float weight = exp2f(red_ml[(w * 16 + r) * 2] - base);
+      sum += weight * red_ml[(w * 16 + r) * 2 + 1];
+      value += weight * red_acc[(w * 16 + r) * D + d];
+    }
+    const int token = q_start + row / p.group, h = kv_head * p.group + row % p.group;
+    if (partial) {
+      const int64_t w = row_offset(token, h);
+      p.part_acc[w * p.head_dim + d] = value;
+      if (d == 0) {
+        p.part_ml[w * 2] = mx;
+        p.part_ml[w * 2 + 1] = sum;
+      }
+    } else {
+      out[static_cast<int64_t>(token) * p.so_t + static_cast<int64_t>(h) * p.so_h + d] =
+          from_float<T>(sum > 0.f ? value / sum : 0.f);
+    }
+  }
+}
+
+// A sequence runs as decode tiles when all its rows fit one 16-row tile.
+__device__ __forceinline__ bool decode_kind(const MmaParams& p, int seq) {
+  return (p.cu[seq + 1] - p.cu[seq]) * p.group <= 16;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_mma_kernel(const MmaParams p) {
+  ME_DYNAMIC_SMEM(smem);
+  using S = MmaShape<D>;
+  const int bid = blockIdx.x;
+  if (bid < p.prefill_blocks) {
+    // The last b with cu[b] * group / 64 + b <= bid (strictly increasing in b).
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (static_cast<int64_t>(p.cu[mid]) * p.group / 64 + mid <= bid) lo = mid; else hi = mid - 1;
+    }
+    if (decode_kind(p, lo)) return;
+    const int tile = bid - static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group / 64) - lo;
+    mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, lo, tile);
+    return;
+  }
+  const int seq = bid - p.prefill_blocks;
+  if (seq < p.num_seqs) {
+    if (decode_kind(p, seq)) mma_tile<T, D, 1, 4, S::kDecodeKeys, S::kDecodeStages>(p, smem, seq, 0);
+    return;
+  }
+  if (blockIdx.y != 0 || blockIdx.z != 0) return;  // padding rows: written once, as zeros
+  T* out = static_cast<T*>(p.out);
+  const int64_t first = p.cu[p.num_seqs], per_token = static_cast<int64_t>(p.num_q_heads) * p.head_dim;
+  for (int64_t i = threadIdx.x; i < (p.num_tokens - first) * per_token; i += kThreads) {
+    const int64_t token = first + i / per_token, h = (i % per_token) / p.head_dim, d = i % p.head_dim;
+    out[token * p.so_t + h * p.so_h + d] = from_float<T>(0.f);
+  }
+}
+
+// out = sum_s w_s acc_s / sum_s w_s l_s with w_s = 2^(m_s - max m): one block per (token, head).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    merge_splits_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_ml, T* __restrict__ out,
+                        const int32_t* __restrict__ cu, int num_seqs, int num_tokens, int num_q_heads, int head_dim,
+                        int num_splits, int64_t so_t, int64_t so_h) {
+  const int token = blockIdx.x, head = blockIdx.y;
+  if (token >= cu[num_seqs]) return;  // padding rows are zeroed by the attention kernel
+  float mx = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) {
+    mx = fmaxf(mx, part_ml[((static_cast<int64_t>(s) * num_tokens + token) * num_q_heads + head) * 2]);
+  }
+  const float base = mx == -INFINITY ? 0.f : mx;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float sum = 0.f, value = 0.f;
+    for (int s = 0; s < num_splits; ++s) {
+      const int64_t row = (static_cast<int64_t>(s) * num_tokens + token) * num_q_heads + head;
+      const float weight = exp2f(part_ml[row * 2] - base);
+      sum += weight * part_ml[row * 2 + 1];
+      value += weight * part_acc[row * head_dim + d];
+    }
+    out[static_cast<int64_t>(token) * so_t + static_cast<int64_t>(head) * so_h + d] =
+        from_float<T>(sum > 0.f ? value / sum : 0.f);
+  }
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+
+namespace {
+
+// Why the tensor-core kernel cannot take these arguments, or "" when it can. cp.async moves 16-byte
+// chunks of K/V rows (a misaligned one is a fatal error on the GPU); Q fragments are 4-byte loads.
+std::string mma_unsupported(const PagedAttentionArgs& a) {
+  if (a.dtype == kFloat32) return "the tensor-core kernel takes fp16 or bf16, not fp32";
+  if (a.head_dim % 16 != 0) return "the tensor-core kernel needs head_dim % 16 == 0";
+  const bool kv_aligned = a.k_cache % 16 == 0 && a.v_cache % 16 == 0 && a.sk_p % 8 == 0 && a.sk_s % 8 == 0 &&
+                          a.sk_h % 8 == 0 && a.sv_p % 8 == 0 && a.sv_s % 8 == 0 && a.sv_h % 8 == 0;
+  if (!kv_aligned) return "the tensor-core kernel needs 16-byte aligned K/V rows (pointers and strides)";
+  if (a.q % 4 != 0 || a.sq_t % 2 != 0 || a.sq_h % 2 != 0) return "the tensor-core kernel needs 4-byte aligned q";
+  return "";
+}
+
+}  // namespace
+
+int attention_impl(const PagedAttentionArgs& a) {
+  if (a.impl == kAttentionSimt || a.impl == kAttentionMma) return a.impl;
+  if (a.impl != kAttentionAuto) {
+    throw std::invalid_argument("attention impl " + std::to_string(a.impl) + "; allowed: 0 (auto), 1 (simt), 2 (mma)");
+  }
+  return mma_unsupported(a).empty() ? kAttentionMma : kAttentionSimt;
+}
+
+namespace {
+
+void launch_simt(const PagedAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_tokens), static_cast<unsigned>(a.num_q_heads));
   const int group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
   dispatch_float(a.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    paged_attention_kernel<T><<<grid, kWarps * 32, 0, reinterpret_cast<cudaStream_t>(a.stream)>>>(
-        reinterpret_cast<const T*>(a.q), reinterpret_cast<const T*>(a.k_cache), reinterpret_cast<const T*>(a.v_cache),
-        reinterpret_cast<T*>(a.out), reinterpret_cast<const int32_t*>(a.block_tables),
-        reinterpret_cast<const int32_t*>(a.seq_lens), reinterpret_cast<const int32_t*>(a.cu_seqlens_q),
-        static_cast<int>(a.num_seqs), group, static_cast<int>(a.head_dim), static_cast<int>(a.page_size), a.sq_t,
-        a.sq_h, a.sk_p, a.sk_s, a.sk_h, a.sv_p, a.sv_s, a.sv_h, a.so_t, a.so_h, a.sbt,
-        static_cast<float>(a.softmax_scale));
+    auto kernel = attention_simt_kernel<T>;
+    ME_LAUNCH(kernel, grid, dim3(kThreads), kSimtSmem, stream, reinterpret_cast<const T*>(a.q),
+              reinterpret_cast<const T*>(a.k_cache), reinterpret_cast<const T*>(a.v_cache), reinterpret_cast<T*>(a.out),
+              reinterpret_cast<const int32_t*>(a.block_tables), reinterpret_cast<const int32_t*>(a.seq_lens),
+              reinterpret_cast<const int32_t*>(a.cu_seqlens_q), static_cast<int>(a.num_seqs), group,
+              static_cast<int>(a.head_dim), static_cast<int>(a.page_size), a.sq_t, a.sq_h, a.sk_p, a.sk_s, a.sk_h,
+              a.sv_p, a.sv_s, a.sv_h, a.so_t, a.so_h, a.sbt, static_cast<float>(a.softmax_scale));
   });
-  check_launch("paged_attention");
+  check_launch("paged_attention (CUDA cores)");
+}
+
+template <typename T, int D> void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
+  auto kernel = attention_mma_kernel<T, D>;
+  constexpr size_t smem = mma_smem_bytes<T, D>();
+  set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
+  const dim3 grid(static_cast<unsigned>(p.prefill_blocks + a.num_seqs + 1), static_cast<unsigned>(a.num_kv_heads),
+                  static_cast<unsigned>(a.num_splits));
+  ME_LAUNCH(kernel, grid, dim3(kThreads), smem, stream, p);
+  check_launch("paged_attention (tensor cores)");
+  if (a.num_splits > 1) {
+    auto merge = merge_splits_kernel<T>;
+    const dim3 merge_grid(static_cast<unsigned>(a.num_tokens), static_cast<unsigned>(a.num_q_heads));
+    ME_LAUNCH(merge, merge_grid, dim3(kThreads), 0, stream, p.part_acc, p.part_ml, static_cast<T*>(p.out), p.cu,
+              p.num_seqs, p.num_tokens, p.num_q_heads, p.head_dim, p.num_splits, p.so_t, p.so_h);
+    check_launch("paged_attention (merge splits)");
+  }
+}
+
+template <typename T> void launch_mma(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
+  if (a.head_dim <= 64) launch_mma_dim<T, 64>(a, p, stream);
+  else if (a.head_dim <= 128) launch_mma_dim<T, 128>(a, p, stream);
+  else launch_mma_dim<T, 256>(a, p, stream);
+}
+
+}  // namespace
+
+void paged_attention(const PagedAttentionArgs& a) {
+  if (a.num_tokens == 0) return;
+  if (a.head_dim > kMaxHeadDim) throw std::invalid_argument("head_dim " + std::to_string(a.head_dim) + " above 256");
+  if (a.num_q_heads > 65535) {  // grid y of the CUDA-core and merge kernels
+    throw std::invalid_argument("num_q_heads " + std::to_string(a.num_q_heads) + "; allowed: 1 to 65535");
+  }
+  if (a.num_splits < 1 || a.num_splits > 65535) {
+    throw std::invalid_argument("num_splits " + std::to_string(a.num_splits) + "; allowed: 1 to 65535");
+  }
+  auto stream = reinterpret_cast<cudaStream_t>(a.stream);
+  const int impl = attention_impl(a);
+  if (impl == kAttentionSimt) {
+    if (a.num_splits > 1) throw std::invalid_argument("num_splits > 1 needs the tensor-core kernel (fp16/bf16)");
+    launch_simt(a, stream);
+    return;
+  }
+  const std::string why = mma_unsupported(a);
+  if (!why.empty()) throw std::invalid_argument(why);
+  if (a.num_splits > 1 && (a.part_acc == 0 || a.part_ml == 0)) {
+    throw std::invalid_argument("num_splits > 1 needs the part_acc and part_ml workspaces");
+  }
+  MmaParams p{};
+  p.q = reinterpret_cast<const void*>(a.q);
+  p.k_cache = reinterpret_cast<const void*>(a.k_cache);
+  p.v_cache = reinterpret_cast<const void*>(a.v_cache);
+  p.out = reinterpret_cast<void*>(a.out);
+  p.part_acc = reinterpret_cast<float*>(a.part_acc);
+  p.part_ml = reinterpret_cast<float*>(a.part_ml);
+  p.block_tables = reinterpret_cast<const int32_t*>(a.block_tables);
+  p.seq_lens = reinterpret_cast<const int32_t*>(a.seq_lens);
+  p.cu = reinterpret_cast<const int32_t*>(a.cu_seqlens_q);
+  p.num_seqs = static_cast<int>(a.num_seqs);
+  p.num_tokens = static_cast<int>(a.num_tokens);
+  p.num_q_heads = static_cast<int>(a.num_q_heads);
+  p.group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
+  p.head_dim = static_cast<int>(a.head_dim);
+  p.page_size = static_cast<int>(a.page_size);
+  p.num_splits = static_cast<int>(a.num_splits);
+  // Prefill tiles only when some sequence may have more than 16 rows (max_seqlen_q is a host bound).
+  p.prefill_blocks = a.num_seqs > 0 && a.max_seqlen_q * p.group > 16
+                         ? static_cast<int>(a.num_tokens * p.group / 64 + a.num_seqs)
+                         : 0;
+  p.sq_t = a.sq_t, p.sq_h = a.sq_h, p.sk_p = a.sk_p, p.sk_s = a.sk_s, p.sk_h = a.sk_h;
+  p.sv_p = a.sv_p, p.sv_s = a.sv_s, p.sv_h = a.sv_h, p.so_t = a.so_t, p.so_h = a.so_h, p.sbt = a.sbt;
+  p.scale_log2 = static_cast<float>(a.softmax_scale) * kLog2e;
+  if (a.dtype == kFloat16) launch_mma<__half>(a, p, stream);
+  else launch_mma<__nv_bfloat16>(a, p, stream);
 }
 
 }  // namespace minengine

@@ -26,7 +26,8 @@ void store_kv(const StoreKVArgs& a) {
   if (a.num_tokens == 0) return;
   dispatch_float(a.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    store_kv_kernel<T><<<a.num_tokens, 128, 0, reinterpret_cast<cudaStream_t>(a.stream)>>>(
+    auto kernel = store_kv_kernel<T>;
+    ME_LAUNCH(kernel, dim3(static_cast<unsigned>(a.num_tokens)), dim3(128), 0, reinterpret_cast<cudaStream_t>(a.stream),
         reinterpret_cast<const T*>(a.k), reinterpret_cast<const T*>(a.v), reinterpret_cast<T*>(a.k_cache),
         reinterpret_cast<T*>(a.v_cache), reinterpret_cast<const int64_t*>(a.slot_mapping), a.num_heads, a.head_dim,
         a.page_size, a.sk_t, a.sk_h, a.sv_t, a.sv_h, a.skc_p, a.skc_s, a.skc_h, a.svc_p, a.svc_s, a.svc_h);

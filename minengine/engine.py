@@ -24,7 +24,7 @@ from minengine.scheduler.prefill_delayer import DelayerConfig, PrefillDelayer
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
-GRAPH_SAFE = ("triton", "cuda")  # attention backends with no host sync inside (capturable)
+GRAPH_SAFE = ("triton", "cuda", "tuned")  # attention backends with no host sync inside (capturable)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck over the kernel tests and a small mixed batch, both backends.
-# Any out-of-bounds or misaligned access fails the run.   bash profiles/memcheck.sh
+# compute-sanitizer over the kernel tests and a small mixed batch, both backends: memcheck (any
+# out-of-bounds or misaligned access fails the run), then racecheck and synccheck on the CUDA
+# kernels (shared-memory hazards and barrier misuse, which the CPU emulator finds only in part).
+#   bash profiles/memcheck.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for backend in triton cuda; do
   compute-sanitizer --tool memcheck --error-exitcode 1 python profiles/mixed_batch.py --backend $backend --small
 done
 compute-sanitizer --tool memcheck --error-exitcode 1 \
-  python -m pytest -q -x tests/test_paged_attention.py tests/test_store_kv.py tests/test_gather_input_ids.py -k "cuda or triton"
+  python -m pytest -q -x tests/test_paged_attention.py tests/test_store_kv.py tests/test_gather_input_ids.py \
+  tests/test_cuda_kernels.py -k "cuda or triton"
+for tool in racecheck synccheck; do
+  compute-sanitizer --tool $tool --error-exitcode 1 python profiles/mixed_batch.py --backend cuda --small
+done

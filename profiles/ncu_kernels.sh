@@ -9,7 +9,7 @@ mkdir -p profiles/out
 for backend in triton cuda; do
   ncu --clock-control none --target-processes all \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
-      --kernel-name regex:'paged_attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \
+      --kernel-name regex:'attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \
       python profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt
   echo "wrote profiles/out/ncu_$backend.txt"
 done

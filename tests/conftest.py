@@ -54,7 +54,25 @@ def kv_checked_steps(monkeypatch):
 
 
 # The contract tests run against every kernel backend: the same parametrization for all.
-KERNEL_BACKENDS = [pytest.param("triton", id="triton"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+# "cuda-emu" is the cuda backend's kernels compiled for the CPU and run by the warp-level emulator
+# (minengine/ops/cuda_emulator.py): it covers csrc/ where there is no GPU.
+KERNEL_BACKENDS = [
+    pytest.param("triton", id="triton"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+    pytest.param("cuda-emu", id="cuda-emu"),
+]
+
+
+def use_cuda_emulator() -> None:
+    """Route CPU tensors of the cuda backend through the emulator, or skip the test."""
+    from minengine.ops import cuda, cuda_emulator
+
+    if HAS_CUDA:
+        pytest.skip("a GPU is present: the cuda params run the real kernels")
+    reason = cuda_emulator.unavailable_reason()
+    if reason:
+        pytest.skip(f"the CUDA kernel emulator cannot be built: {reason}")
+    cuda.use_emulator()
 
 
 @pytest.fixture(params=KERNEL_BACKENDS)
@@ -67,4 +85,11 @@ def kernels(request):
 
         if not cuda.available():
             pytest.skip("the cuda backend needs minengine._C (built with nvcc) and a CUDA GPU")
-    return ops.get_kernels(request.param, "cuda" if HAS_CUDA else "cpu")
+    if request.param == "cuda-emu":
+        from minengine.ops import cuda
+
+        use_cuda_emulator()
+        yield ops.get_kernels("cuda", "cpu")
+        cuda.use_emulator(False)
+        return
+    yield ops.get_kernels(request.param, "cuda" if HAS_CUDA else "cpu")

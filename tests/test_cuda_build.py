@@ -35,3 +35,27 @@ def test_cuda_backend_errors_clearly_without_a_gpu():
     args = (q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
     with pytest.raises((RuntimeError, ValueError), match="minengine._C|CUDA tensors"):
         cuda.paged_attention(*args, torch.tensor([0, 1], dtype=torch.int32), 1)
+
+
+@pytest.mark.skipif(
+    not nvcc_present() or os.environ.get("MINENGINE_BUILD_CUDA") == "0", reason="no nvcc: the extension is optional"
+)
+def test_binding_takes_the_wrappers_keywords():
+    """The pybind11 module and the emulator take the same keyword set from the Python wrapper
+    (attention_impl is a pure host function, so this runs without a GPU)."""
+    from minengine import _C
+    from minengine.ops import cuda
+    from minengine.ops.testing import make_paged_batch
+
+    batch = make_paged_batch(
+        [1, 9], [20, 9], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16
+    )
+    dims = cuda.check_paged_attention(*batch.args(), None)
+    args = cuda._attention_args(*batch.args()[:6], dims, None, batch.q)
+    args.update(max_seqlen_q=9, impl=0, num_splits=1, part_acc=0, part_ml=0)
+    assert _C.attention_impl(**args) == cuda.IMPLS["mma"]
+    assert _C.attention_impl(**(args | {"dtype": 2})) == cuda.IMPLS["simt"]
+    with pytest.raises(TypeError):
+        _C.attention_impl(**(args | {"extra": 1}))
+    with pytest.raises(ValueError, match="attention impl 7; allowed"):
+        _C.attention_impl(**(args | {"impl": 7}))

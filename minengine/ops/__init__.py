@@ -6,7 +6,9 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
 - ``triton``: ``triton_kernels`` (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 - ``cuda``: the CUDA C++ kernels of ``minengine._C`` (GPU; built when nvcc is found);
 - ``flashinfer``: FlashInfer's paged attention behind our contract (GPU, optional import);
-- ``auto``: ``triton`` for CUDA tensors, ``torch`` otherwise.
+- ``auto``: on CUDA, ``triton`` and ``cuda`` chosen per call shape from the device's committed
+  tuning table (``tuning.py``; backend name ``tuned``), or ``triton`` where the device has none
+  (or ``minengine._C`` is not built); ``torch`` otherwise.
 
 The engine resolves its backend once (``get_kernels(name, device)``) and calls the functions
 directly; the module-level wrappers below resolve per call, for scripts and tests.
@@ -54,6 +56,25 @@ def _flashinfer_kernels() -> KernelSet:
     return KernelSet(flashinfer_ref.paged_attention, triton_kernels.store_kv, triton_kernels.gather_input_ids)
 
 
+def _tuning_table(device: torch.device) -> dict[str, str] | None:
+    from minengine.ops import cuda, tuning
+
+    if not cuda.available():
+        return None
+    return tuning.load_table(torch.cuda.get_device_name(device))
+
+
+def _tuned_kernels(device: torch.device) -> KernelSet:
+    """Attention from triton or cuda per call shape (the device's table); triton's store and gather."""
+    from minengine.ops import tuning
+
+    triton, cuda = _triton_kernels(), _cuda_kernels()
+    attention = tuning.tuned_attention(
+        _tuning_table(device), {"triton": triton.paged_attention, "cuda": cuda.paged_attention}
+    )
+    return KernelSet(attention, triton.store_kv, triton.gather_input_ids)
+
+
 _BACKENDS: dict[str, Callable[[], KernelSet]] = {
     "torch": _torch_kernels,
     "triton": _triton_kernels,
@@ -64,16 +85,23 @@ BACKEND_NAMES = ("auto", *_BACKENDS)
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
-    """The concrete backend ``name`` stands for on ``device`` (``auto``: triton on CUDA, else torch)."""
+    """The backend ``name`` stands for on ``device``; ``auto``: ``tuned`` on a CUDA device with a
+    tuning table, else ``triton`` on CUDA and ``torch`` elsewhere."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; allowed: {', '.join(BACKEND_NAMES)}")
+    device = torch.device(device)
     if name == "auto":
-        return "triton" if torch.device(device).type == "cuda" else "torch"
+        if device.type != "cuda":
+            return "torch"
+        return "tuned" if _tuning_table(device) else "triton"
     return name
 
 
 def get_kernels(name: str = "auto", device: torch.device | str = "cpu") -> KernelSet:
-    return _BACKENDS[resolve_backend(name, device)]()
+    backend = resolve_backend(name, device)
+    if backend == "tuned":
+        return _tuned_kernels(torch.device(device))
+    return _BACKENDS[backend]()
 
 
 def paged_attention(q: torch.Tensor, *args, backend: str = "auto", **kwargs) -> torch.Tensor:

@@ -4,9 +4,18 @@ Arguments are checked with the contracts' shared checks (``triton_kernels.contra
 kernels get raw pointers, sizes, strides, dtype codes and the current CUDA stream as integers.
 ``gather_input_ids`` also accepts ``prefill_ids`` in pinned host memory: the kernel reads it over
 unified addressing, fusing the host-to-device copy into the gather.
+
+``paged_attention`` runs the tensor-core kernel (mma.sync, fp16/bf16, aligned K/V rows) with
+split-KV for few long sequences, else the CUDA-core kernel; ``impl`` forces one ("mma", "simt").
+
+After ``use_emulator()``, CPU tensors run through ``cuda_emulator`` (the same sources compiled for
+the CPU with a warp-level emulator): that is how the contract tests cover these kernels without
+a GPU.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -27,25 +36,47 @@ except ImportError as exc:  # built only where nvcc was found
 
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _INDEX = {torch.int32: 0, torch.int64: 1}
+IMPLS = {"auto": 0, "simt": 1, "mma": 2}
+
+_emulator = None  # the cuda_emulator module once use_emulator() was called
 
 
 def available() -> bool:
     return _C is not None and torch.cuda.is_available()
 
 
-def _require(*tensors: torch.Tensor) -> None:
+def use_emulator(enabled: bool = True) -> None:
+    """Run calls on CPU tensors through the CPU-emulated kernels (tests; builds them on first use)."""
+    global _emulator
+    if enabled:
+        from minengine.ops import cuda_emulator
+
+        cuda_emulator._library()
+        _emulator = cuda_emulator
+    else:
+        _emulator = None
+
+
+def _lib(t: torch.Tensor):
+    """The kernel module for tensors on t's device: _C for CUDA, the emulator for CPU (if enabled)."""
+    if t.device.type == "cpu" and _emulator is not None:
+        return _emulator
     if _C is None:
         raise RuntimeError(
             f"the cuda backend needs minengine._C, which is not built ({_IMPORT_ERROR}); "
             "reinstall with nvcc available (MINENGINE_BUILD_CUDA=1)"
         )
-    for t in tensors:
-        if t.device.type != "cuda":
-            raise ValueError(f"the cuda backend needs CUDA tensors; got one on {t.device}")
+    if t.device.type != "cuda":
+        raise ValueError(f"the cuda backend needs CUDA tensors; got one on {t.device}")
+    return _C
 
 
 def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # Pinned host tensors a launched gather still reads, with the event that says it is done: the
@@ -79,21 +110,63 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
-    """``num_splits`` is accepted for signature parity; this kernel does not split KV yet."""
+    """``num_splits`` (a power of two up to 16) splits KV on the tensor-core kernel; the CUDA-core
+    kernel (fp32, unaligned caches) has no split path and ignores it."""
+    from triton_kernels.attention import MAX_SPLITS, pick_num_splits
+
     dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
-    _require(q)
+    lib = _lib(q)
+    if impl not in IMPLS:
+        raise ValueError(f"impl is {impl!r}; allowed: {', '.join(IMPLS)}")
+    if num_splits is not None and not (1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0):
+        raise ValueError(f"num_splits is {num_splits}; allowed: a power of two from 1 to {MAX_SPLITS}")
     if _debug():
         check_paged_attention_values(dims, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q)
     if out is None:
         out = torch.empty_like(q)
-    with torch.cuda.device(q.device):
-        _launch_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, softmax_scale, out)
+    if dims.num_tokens == 0:
+        return out
+    args = _attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, softmax_scale, out)
+    args.update(max_seqlen_q=int(max_seqlen_q), impl=IMPLS[impl], num_splits=1, part_acc=0, part_ml=0)
+    with _on(q.device):
+        if lib.attention_impl(**args) == IMPLS["mma"]:
+            group = dims.num_q_heads // dims.num_kv_heads
+            if num_splits is None:
+                block_q = max(1, 64 // group)
+                num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
+            if num_splits > 1:
+                rows = (num_splits, dims.num_tokens, dims.num_q_heads)
+                part_acc = torch.empty((*rows, dims.head_dim), dtype=torch.float32, device=q.device)
+                part_ml = torch.empty((*rows, 2), dtype=torch.float32, device=q.device)
+                args.update(num_splits=num_splits, part_acc=part_acc.data_ptr(), part_ml=part_ml.data_ptr())
+        lib.paged_attention(**args)
     return out
 
 
-def _launch_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, softmax_scale, out) -> None:
-    _C.paged_attention(
+def chosen_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    impl: str = "auto",
+) -> str:
+    """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores) or "simt"."""
+    dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None)
+    if impl not in IMPLS:
+        raise ValueError(f"impl is {impl!r}; allowed: {', '.join(IMPLS)}")
+    args = _attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, None, q)
+    args.update(max_seqlen_q=int(max_seqlen_q), impl=IMPLS[impl], num_splits=1, part_acc=0, part_ml=0)
+    code = _lib(q).attention_impl(**args)
+    return next(name for name, value in IMPLS.items() if value == code)
+
+
+def _attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, softmax_scale, out) -> dict:
+    return dict(
         q=q.data_ptr(),
         k_cache=k_cache.data_ptr(),
         v_cache=v_cache.data_ptr(),
@@ -128,15 +201,15 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     check_store_kv(k, v, k_cache, v_cache, slot_mapping)
-    _require(k)
+    lib = _lib(k)
     if _debug():
         check_store_kv_values(k_cache, slot_mapping)
-    with torch.cuda.device(k.device):
-        _launch_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    with _on(k.device):
+        _launch_store_kv(lib, k, v, k_cache, v_cache, slot_mapping)
 
 
-def _launch_store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    _C.store_kv(
+def _launch_store_kv(lib, k, v, k_cache, v_cache, slot_mapping) -> None:
+    lib.store_kv(
         k=k.data_ptr(),
         v=v.data_ptr(),
         k_cache=k_cache.data_ptr(),
@@ -168,20 +241,20 @@ def gather_input_ids(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total = check_gather_input_ids(prefill_ids, token_buffer, decode_indices, out, host_prefill_ok=True)
-    _require(token_buffer)
+    lib = _lib(token_buffer)
     if _debug():
         check_gather_input_ids_values(token_buffer, decode_indices)
     if out is None:
         out = torch.empty(total, dtype=prefill_ids.dtype, device=token_buffer.device)
-    with torch.cuda.device(token_buffer.device):
-        _launch_gather(prefill_ids, token_buffer, decode_indices, out)
-        if prefill_ids.device.type == "cpu" and prefill_ids.numel():
+    with _on(token_buffer.device):
+        _launch_gather(lib, prefill_ids, token_buffer, decode_indices, out)
+        if token_buffer.device.type == "cuda" and prefill_ids.device.type == "cpu" and prefill_ids.numel():
             _keep_alive(prefill_ids, token_buffer.device)
     return out
 
 
-def _launch_gather(prefill_ids, token_buffer, decode_indices, out) -> None:
-    _C.gather_input_ids(
+def _launch_gather(lib, prefill_ids, token_buffer, decode_indices, out) -> None:
+    lib.gather_input_ids(
         prefill_ids=prefill_ids.data_ptr(),
         token_buffer=token_buffer.data_ptr(),
         decode_indices=decode_indices.data_ptr(),

@@ -1,0 +1,45 @@
+// C entry points of the CPU-emulated kernels (see emulate.h), loaded with ctypes by
+// minengine/ops/cuda_emulator.py. Built only there, with -DMINENGINE_EMULATE; not part of _C.
+#include <cstring>
+#include <exception>
+
+#include "kernels.h"
+
+namespace {
+
+template <typename F> int guarded(F&& f, char* error, int error_len) {
+  try {
+    f();
+    return 0;
+  } catch (const std::exception& e) {
+    if (error_len > 0) {
+      std::strncpy(error, e.what(), static_cast<size_t>(error_len - 1));
+      error[error_len - 1] = '\0';
+    }
+    return 1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int me_paged_attention(const minengine::PagedAttentionArgs* args, char* error, int error_len) {
+  return guarded([&] { minengine::paged_attention(*args); }, error, error_len);
+}
+
+int me_attention_impl(const minengine::PagedAttentionArgs* args, char* error, int error_len) {
+  int impl = -1;
+  const int rc = guarded([&] { impl = minengine::attention_impl(*args); }, error, error_len);
+  return rc ? -1 : impl;
+}
+
+int me_store_kv(const minengine::StoreKVArgs* args, char* error, int error_len) {
+  return guarded([&] { minengine::store_kv(*args); }, error, error_len);
+}
+
+int me_gather_input_ids(const minengine::GatherArgs* args, char* error, int error_len) {
+  return guarded([&] { minengine::gather_input_ids(*args); }, error, error_len);
+}
+
+}  // extern "C"

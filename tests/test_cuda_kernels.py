@@ -1,0 +1,126 @@
+"""The CUDA C++ attention kernels beyond the shared contract tests: both kernels (tensor cores and
+CUDA cores), which one ``auto`` picks, prefill and decode tiles in one launch, split-KV, wide GQA
+groups, and random batches.
+
+On a GPU these run the real kernels of ``minengine._C``; without one, the same sources compiled
+for the CPU and run by the warp-level emulator (``minengine/ops/cuda_emulator.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from conftest import HAS_CUDA, use_cuda_emulator
+from test_paged_attention import run_and_check
+
+from minengine import ops
+from minengine.ops import cuda
+from minengine.ops.testing import make_paged_batch
+
+
+@pytest.fixture
+def dev():
+    """The device the cuda backend runs on here: the GPU, or the CPU through the emulator."""
+    if HAS_CUDA:
+        if not cuda.available():
+            pytest.skip("minengine._C is not built")
+        yield torch.device("cuda")
+        return
+    use_cuda_emulator()
+    yield torch.device("cpu")
+    cuda.use_emulator(False)
+
+
+def check(batch, dtype, **kwargs):
+    """The contract tests' check (NaN-poisoned output, float64 reference) on the cuda backend."""
+    return run_and_check(batch, dtype, kernels=ops.get_kernels("cuda", batch.q.device), **kwargs)
+
+
+def batch_for(q_lens, kv_lens, dtype, device, hq=8, hkv=2, d=64, page=16, **kw):
+    return make_paged_batch(
+        q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=dtype, device=device, **kw
+    )
+
+
+@pytest.mark.parametrize("impl", ["mma", "simt"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_both_kernels(impl, dtype, dev):
+    batch = batch_for([1, 7, 0, 1, 12, 3], [9, 7, 4, 23, 30, 3], dtype, dev, page=5)
+    check(batch, dtype, impl=impl)
+
+
+def test_auto_picks_tensor_cores_when_they_apply(dev):
+    aligned = batch_for([1, 9], [20, 9], torch.bfloat16, dev)
+    assert cuda.chosen_kernel(*aligned.args()) == "mma"
+    assert cuda.chosen_kernel(*aligned.args(), impl="simt") == "simt"
+    fp32 = batch_for([1, 9], [20, 9], torch.float32, dev)
+    assert cuda.chosen_kernel(*fp32.args()) == "simt"
+    # K rows 2 bytes off a 16-byte boundary: cp.async cannot move them; the CUDA-core kernel can.
+    k = aligned.k_cache.contiguous()
+    storage = torch.empty(k.numel() + 8, dtype=k.dtype, device=k.device)
+    shifted_k = storage[1 : 1 + k.numel()].view(k.shape)
+    shifted_k.copy_(k)
+    shifted = dataclasses.replace(aligned, k_cache=shifted_k)
+    assert cuda.chosen_kernel(*shifted.args()) == "simt"
+    check(shifted, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs 16-byte aligned K/V rows"):  # forced: an error, not a fault
+        cuda.paged_attention(*shifted.args(), impl="mma")
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_and_decode_tiles_in_one_launch(num_splits, dtype, dev):
+    """Chunks over a prefix and fresh prompts (64-row tiles) next to decodes and a 2-token chunk
+    (16-row tiles), an empty entry and padding rows, with and without split-KV."""
+    q_lens = [1, 70, 1, 0, 2, 33, 1]
+    kv_lens = [100, 90, 5, 7, 40, 33, 64]
+    batch = batch_for(q_lens, kv_lens, dtype, dev, num_tokens=sum(q_lens) + 5)
+    out = check(batch, dtype, num_splits=num_splits)
+    assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_every_tile_shape_over_several_stages(head_dim, dev):
+    """Each head-dim instantiation, prefill and decode tiles alike, walks several K/V stages
+    (the single-buffered ones refill between stages)."""
+    check(batch_for([1, 1, 40], [200, 129, 240], torch.bfloat16, dev, d=head_dim), torch.bfloat16, num_splits=1)
+
+
+@pytest.mark.parametrize(("hq", "hkv", "q_lens"), [(32, 1, [1, 3, 1]), (128, 1, [1, 2]), (10, 2, [4, 1, 20])])
+def test_wide_and_odd_groups(hq, hkv, q_lens, dev):
+    """A token's query heads spanning tiles (group 32, 128) and a group that does not divide 16."""
+    check(batch_for(q_lens, [q + 30 for q in q_lens], torch.float16, dev, hq=hq, hkv=hkv), torch.float16)
+
+
+def test_random_batches(dev):
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    for _ in range(10):
+        q_lens = [rng.choice([0, 1, 1, 2, 5, 17, 40, 70]) for _ in range(rng.randint(0, 5))]
+        kv_lens = [q + rng.choice([0, 1, 3, 20, 90]) for q in q_lens]
+        hkv, group = rng.choice([1, 2, 3]), rng.choice([1, 2, 4, 5, 8, 16])
+        d, page = rng.choice([32, 48, 64, 96, 128, 160, 256]), rng.choice([1, 3, 16, 64])
+        dtype = rng.choice([torch.float16, torch.bfloat16])
+        splits = rng.choice([None, 1, 2, 4, 16])
+        case = dict(q_lens=q_lens, kv_lens=kv_lens, hkv=hkv, group=group, d=d, page=page, dtype=dtype, splits=splits)
+        batch = batch_for(
+            q_lens, kv_lens, dtype, dev, hq=hkv * group, hkv=hkv, d=d, page=page, num_tokens=sum(q_lens) + 2
+        )
+        try:
+            check(batch, dtype, num_splits=splits, impl="mma")
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}, case {case}: {exc}") from exc
+
+
+def test_bad_arguments_name_the_value(dev):
+    batch = batch_for([1], [4], torch.float16, dev)
+    with pytest.raises(ValueError, match=r"impl is 'wgmma'; allowed: auto, simt, mma"):
+        cuda.paged_attention(*batch.args(), impl="wgmma")
+    with pytest.raises(ValueError, match="num_splits is 3; allowed: a power of two from 1 to 16"):
+        cuda.paged_attention(*batch.args(), num_splits=3)
+    fp32 = batch_for([1], [4], torch.float32, dev)
+    with pytest.raises(ValueError, match="tensor-core kernel takes fp16 or bf16"):
+        cuda.paged_attention(*fp32.args(), impl="mma")

@@ -1,0 +1,77 @@
+"""`auto`'s per-call-shape choice between triton and cuda from a device's tuning table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from minengine import ops
+from minengine.ops import tuning
+
+
+def test_call_kinds():
+    assert tuning.call_kind(num_tokens=128, num_seqs=128, max_seqlen_q=1) == "decode"
+    assert tuning.call_kind(num_tokens=2048, num_seqs=1, max_seqlen_q=2048) == "prefill"
+    assert tuning.call_kind(num_tokens=2048, num_seqs=4, max_seqlen_q=512) == "prefill"
+    assert tuning.call_kind(num_tokens=1087, num_seqs=64, max_seqlen_q=1024) == "mixed"
+    assert tuning.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def grid_row(kind, backend, ms, shape="llama3-8b", page=16, dtype="bfloat16", head_dim=128):
+    return dict(kind=kind, backend=backend, ms=ms, shape=shape, page=page, dtype=dtype, head_dim=head_dim)
+
+
+def test_pick_from_rows_totals_cases_both_backends_ran():
+    rows = [
+        grid_row("decode", "triton", 1.0),
+        grid_row("decode", "cuda", 0.5),
+        grid_row("long-decode", "triton", 1.0),
+        grid_row("long-decode", "cuda", 2.0),  # decode total: triton 2.0, cuda 2.5
+        grid_row("mixed", "triton", 3.0),
+        grid_row("mixed", "cuda", 2.0),
+        grid_row("mixed", "flashinfer", 0.1),  # not ours: not a choice
+        grid_row("prefill", "cuda", 0.1, page=1),  # triton did not run this case: no comparison
+        grid_row("prefill", "triton", 1.0),
+        grid_row("prefill", "cuda", 1.5),
+    ]
+    picked = tuning.pick_from_rows(rows)
+    assert {k: v["backend"] for k, v in picked.items()} == {
+        "decode/bfloat16/128": "triton",
+        "mixed/bfloat16/128": "cuda",
+        "prefill/bfloat16/128": "triton",
+    }
+    assert picked["decode/bfloat16/128"]["total_ms"] == {"triton": 2.0, "cuda": 2.5}
+
+
+def test_tuned_attention_dispatches_per_call_shape():
+    calls = []
+    kernels = {name: (lambda *a, _n=name, **k: calls.append(_n)) for name in tuning.CHOICES}
+    table = {"decode/float16/64": "cuda", "mixed/float16/64": "triton"}
+    attention = tuning.tuned_attention(table, kernels)
+    q = torch.zeros(3, 4, 64, dtype=torch.float16)
+    cache = torch.zeros(1, 1, 1, 64, dtype=torch.float16)
+
+    def call(q, cu, max_q):
+        attention(q, cache, cache, None, None, torch.tensor(cu), max_q)
+
+    call(q, [0, 1, 2, 3], 1)  # decode: listed as cuda
+    call(q, [0, 2, 3], 2)  # 2 * 3 >= 2 * 2: prefill, unlisted: triton
+    call(torch.zeros(3, 4, 128, dtype=torch.float16), [0, 1, 2, 3], 1)  # other head dim: unlisted
+    assert calls == ["cuda", "triton", "triton"]
+
+
+def test_table_files_are_valid(tmp_path, monkeypatch):
+    """Committed tables parse and name only our backends; a bad one fails with the file named."""
+    for path in tuning.TABLE_DIR.glob("*.json"):
+        assert tuning.load_table.__wrapped__(json.loads(path.read_text())["device_name"])
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    (tmp_path / "fake-gpu.json").write_text(json.dumps({"choices": {"decode/bfloat16/128": {"backend": "tvm"}}}))
+    with pytest.raises(ValueError, match=r"fake-gpu.json: backends \['tvm'\]; allowed: triton, cuda"):
+        tuning.load_table.__wrapped__("Fake GPU")
+    assert tuning.load_table.__wrapped__("Other GPU") is None
+
+
+def test_auto_is_torch_on_cpu():
+    assert ops.resolve_backend("auto", "cpu") == "torch"
