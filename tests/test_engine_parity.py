@@ -126,3 +126,28 @@ def test_triton_backend_matches_transformers(checkpoint, hf_model):
     llm = LLM(str(checkpoint), attention_backend="triton", page_size=5, chunked_prefill_size=6)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == want
+
+
+def test_cuda_backend_matches_transformers(checkpoint, hf_model):
+    """The CUDA C++ kernels (attention, KV store, input-id gather) inside the engine, in fp32 (the
+    CUDA-core attention kernel): on the GPU, or here through the CPU emulator."""
+    from conftest import HAS_CUDA, use_cuda_emulator
+
+    from minengine.ops import cuda
+
+    if HAS_CUDA and not cuda.available():
+        pytest.skip("minengine._C is not built")
+    if not HAS_CUDA:
+        use_cuda_emulator()
+    try:
+        rng = random.Random()
+        vocab = hf_model.config.vocab_size
+        shared = [rng.randrange(4, vocab) for _ in range(9)]
+        prompts = [shared + [rng.randrange(4, vocab) for _ in range(4)], shared[:6], [rng.randrange(4, vocab)]]
+        want = [hf_greedy(hf_model, p, 4) for p in prompts]
+        device = dict(device="cuda", dtype="float32") if HAS_CUDA else {}
+        llm = LLM(str(checkpoint), attention_backend="cuda", page_size=5, chunked_prefill_size=6, **device)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
+    finally:
+        cuda.use_emulator(False)
