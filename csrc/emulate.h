@@ -7,7 +7,8 @@
 //   m16n8k16 with fp32 accumulation) with the fragment layouts of the PTX ISA;
 // - cp.async: a copy is deferred until the thread waits for its group, so reading shared memory
 //   before cp_async_wait sees stale data, as it may on the GPU;
-// - dynamic shared memory, one buffer per block, filled with a NaN pattern before each block.
+// - dynamic shared memory, one buffer per block, filled with a NaN pattern before each block;
+// - the alignment rule of cp.async (source and destination aligned to the copy size).
 // A barrier that not every thread reaches (divergence, or a thread that returned early while
 // others wait) is reported as an error instead of hanging. Blocks run one after another, so
 // races between blocks are not found; the kernels must not have any (they write disjoint outputs).
@@ -169,6 +170,10 @@ inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], c
 }
 
 inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  // The GPU faults on a cp.async whose addresses are not aligned to its size.
+  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes != 0) {
+    throw std::runtime_error("cp.async of " + std::to_string(bytes) + " bytes from a misaligned address");
+  }
   state().current->open.push_back({dst, src, bytes, src_bytes});
 }
 
