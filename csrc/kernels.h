@@ -7,8 +7,8 @@
 namespace minengine {
 
 // impl: kAttentionAuto picks the tensor-core kernel when it applies (fp16/bf16 and 16-byte aligned
-// K/V rows, 4-byte aligned q rows), else the CUDA-core one. num_splits > 1 (tensor-core kernel only)
-// needs part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
+// K/V rows, 4-byte aligned q rows), else the CUDA-core one. num_splits > 1 (the tensor-core kernel;
+// the CUDA-core one ignores it) needs part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
 enum AttentionImpl : int { kAttentionAuto = 0, kAttentionSimt = 1, kAttentionMma = 2 };
 
 struct PagedAttentionArgs {

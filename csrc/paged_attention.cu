@@ -572,8 +572,7 @@ void paged_attention(const PagedAttentionArgs& a) {
   }
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   const int impl = attention_impl(a);
-  if (impl == kAttentionSimt) {
-    if (a.num_splits > 1) throw std::invalid_argument("num_splits > 1 needs the tensor-core kernel (fp16/bf16)");
+  if (impl == kAttentionSimt) {  // no split path: num_splits is ignored
     launch_simt(a, stream);
     return;
   }

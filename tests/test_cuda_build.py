@@ -50,9 +50,7 @@ def test_binding_takes_the_wrappers_keywords():
     batch = make_paged_batch(
         [1, 9], [20, 9], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16
     )
-    dims = cuda.check_paged_attention(*batch.args(), None)
-    args = cuda._attention_args(*batch.args()[:6], dims, None, batch.q)
-    args.update(max_seqlen_q=9, impl=0, num_splits=1, part_acc=0, part_ml=0)
+    _, args = cuda._attention_call(*batch.args(), None, batch.q, "auto")
     assert _C.attention_impl(**args) == cuda.IMPLS["mma"]
     assert _C.attention_impl(**(args | {"dtype": 2})) == cuda.IMPLS["simt"]
     with pytest.raises(TypeError):

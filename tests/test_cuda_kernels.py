@@ -66,6 +66,7 @@ def test_auto_picks_tensor_cores_when_they_apply(dev):
     shifted = dataclasses.replace(aligned, k_cache=shifted_k)
     assert cuda.chosen_kernel(*shifted.args()) == "simt"
     check(shifted, torch.bfloat16)
+    check(shifted, torch.bfloat16, num_splits=4)  # workspaces allocated, the CUDA-core kernel ignores them
     with pytest.raises(ValueError, match="needs 16-byte aligned K/V rows"):  # forced: an error, not a fault
         cuda.paged_attention(*shifted.args(), impl="mma")
 

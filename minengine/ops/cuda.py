@@ -116,25 +116,24 @@ def paged_attention(
     kernel (fp32, unaligned caches) has no split path and ignores it."""
     from triton_kernels.attention import MAX_SPLITS, pick_num_splits
 
-    dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
-    lib = _lib(q)
-    if impl not in IMPLS:
-        raise ValueError(f"impl is {impl!r}; allowed: {', '.join(IMPLS)}")
     if num_splits is not None and not (1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0):
         raise ValueError(f"num_splits is {num_splits}; allowed: a power of two from 1 to {MAX_SPLITS}")
-    if _debug():
-        check_paged_attention_values(dims, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q)
     if out is None:
         out = torch.empty_like(q)
+    dims, args = _attention_call(
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, softmax_scale, out, impl
+    )
+    lib = _lib(q)
+    if _debug():
+        check_paged_attention_values(dims, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q)
     if dims.num_tokens == 0:
         return out
-    args = _attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, softmax_scale, out)
-    args.update(max_seqlen_q=int(max_seqlen_q), impl=IMPLS[impl], num_splits=1, part_acc=0, part_ml=0)
     with _on(q.device):
-        if lib.attention_impl(**args) == IMPLS["mma"]:
-            group = dims.num_q_heads // dims.num_kv_heads
+        # Split workspaces for the tensor-core kernel; were the caches unaligned after all, the
+        # CUDA-core kernel runs and ignores them (asking the dispatcher first would cost a call).
+        if impl != "simt" and q.dtype != torch.float32:
             if num_splits is None:
-                block_q = max(1, 64 // group)
+                block_q = max(1, 64 // (dims.num_q_heads // dims.num_kv_heads))
                 num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
             if num_splits > 1:
                 rows = (num_splits, dims.num_tokens, dims.num_q_heads)
@@ -156,17 +155,20 @@ def chosen_kernel(
     impl: str = "auto",
 ) -> str:
     """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores) or "simt"."""
-    dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None)
-    if impl not in IMPLS:
-        raise ValueError(f"impl is {impl!r}; allowed: {', '.join(IMPLS)}")
-    args = _attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, None, q)
-    args.update(max_seqlen_q=int(max_seqlen_q), impl=IMPLS[impl], num_splits=1, part_acc=0, part_ml=0)
+    _, args = _attention_call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None, q, impl)
     code = _lib(q).attention_impl(**args)
     return next(name for name, value in IMPLS.items() if value == code)
 
 
-def _attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, dims, softmax_scale, out) -> dict:
-    return dict(
+def _attention_call(
+    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, softmax_scale, out, impl
+) -> tuple:
+    """Checked arguments -> (dims, the keyword arguments of _C.paged_attention without split-KV);
+    ``out`` only lends its pointer and strides."""
+    dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
+    if impl not in IMPLS:
+        raise ValueError(f"impl is {impl!r}; allowed: {', '.join(IMPLS)}")
+    return dims, dict(
         q=q.data_ptr(),
         k_cache=k_cache.data_ptr(),
         v_cache=v_cache.data_ptr(),
@@ -194,6 +196,11 @@ def _attention_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, d
         softmax_scale=dims.head_dim**-0.5 if softmax_scale is None else float(softmax_scale),
         dtype=_DTYPES[q.dtype],
         stream=_stream(q.device),
+        max_seqlen_q=int(max_seqlen_q),
+        impl=IMPLS[impl],
+        num_splits=1,
+        part_acc=0,
+        part_ml=0,
     )
 
 
