@@ -41,7 +41,8 @@ def find_cuda_home() -> Path | None:
 
 
 def gencode_flags(archs: str) -> list[str]:
-    """Machine code for each arch, plus PTX of the first (portable) one for newer GPUs."""
+    """Machine code for each arch, plus PTX of the first (portable) one for newer GPUs; with 9.0a,
+    MINENGINE_SM90A tells the host code that sm_90a machine code (wgmma) is in the build."""
     nums = [a.strip().replace(".", "") for a in archs.split(";") if a.strip()]
     flags = []
     for num in nums:
@@ -49,6 +50,8 @@ def gencode_flags(archs: str) -> list[str]:
     portable = next((n for n in nums if not n.endswith("a")), None)
     if portable:
         flags += ["-gencode", f"arch=compute_{portable},code=compute_{portable}"]
+    if "90a" in nums:  # the host side may then launch the wgmma kernels on sm_90 devices
+        flags += ["-DMINENGINE_SM90A=1"]
     return flags
 
 

@@ -136,6 +136,11 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
             row["cuda_ms"] = bench(theirs)
             row["cuda_rel_err_vs_fp64"] = relative_error(theirs(), ref)
             row["cuda_kernel"] = cuda_backend.chosen_kernel(*batch.args())
+            if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+                wgmma = lambda: cuda_backend.paged_attention(*batch.args(), out=out, impl="wgmma")  # noqa: E731
+                with contextlib.suppress(ValueError):  # a build without 9.0a
+                    row["cuda_wgmma_rel_err_vs_fp64"] = relative_error(wgmma(), ref)
+                    row["cuda_wgmma_ms"] = bench(wgmma)
     else:
         first = make(case.q_lens[: case.split_at], case.seq_lens[: case.split_at])
         second = make(case.q_lens[case.split_at :], case.seq_lens[case.split_at :])
@@ -153,7 +158,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
     row["kv_bw_frac"] = row["kv_gbps"] / ceilings["copy_gbps"]
     row["tflops"] = flops / seconds / 1e12
     row["tflops_frac"] = row["tflops"] / ceilings["matmul_tflops"]
-    for other in ("torch", "flashinfer", "cuda"):
+    for other in ("torch", "flashinfer", "cuda", "cuda_wgmma"):
         if f"{other}_ms" in row:
             row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["ms"]
     return row
@@ -193,9 +198,10 @@ def run_grid(args: argparse.Namespace, device: torch.device, bench: Callable, ce
     import triton_kernels
     from minengine.ops import cuda as cuda_backend
     from minengine.ops import flashinfer_ref
-    from minengine.ops.testing import make_paged_batch
+    from minengine.ops.testing import make_paged_batch, relative_error
 
     scale = 64 if args.smoke else 1
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
     shapes = dict(list(GRID_SHAPES.items())[:1]) if args.smoke else GRID_SHAPES  # smoke: interpreter-sized
     dtypes = (torch.bfloat16,) if args.smoke else (torch.bfloat16, torch.float16)
     rows = []
@@ -212,15 +218,25 @@ def run_grid(args: argparse.Namespace, device: torch.device, bench: Callable, ce
                         page_size=page, dtype=dtype, device=device, poison=False,
                     )  # fmt: skip
                     out = torch.empty_like(batch.q)
-                    times = {"triton": bench(lambda b=batch, o=out: triton_kernels.paged_attention(*b.args(), out=o))}
+                    runs = {"triton": lambda b=batch, o=out: triton_kernels.paged_attention(*b.args(), out=o)}
                     if cuda_backend.available():
-                        times["cuda"] = bench(lambda b=batch, o=out: cuda_backend.paged_attention(*b.args(), out=o))
-                        times["cuda-simt"] = bench(
-                            lambda b=batch, o=out: cuda_backend.paged_attention(*b.args(), out=o, impl="simt")
-                        )
+                        for impl in ("auto", "simt") + (("wgmma",) if hopper and d <= 128 else ()):
+                            name = "cuda" if impl == "auto" else f"cuda-{impl}"
+                            runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(
+                                *b.args(), out=o, impl=i
+                            )
                     if flashinfer_ref.available() and page in (16, 64):
                         with contextlib.suppress(Exception):  # a shape FlashInfer does not take is a skip
-                            times["flashinfer"] = bench(flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run)
+                            runs["flashinfer"] = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run
+                    expected = runs["triton"]().clone()
+                    times, errors = {}, {}
+                    for backend, run in runs.items():
+                        try:  # every output is checked against triton's before it is timed
+                            errors[backend] = relative_error(run(), expected)
+                        except ValueError as exc:  # e.g. a build without 9.0a
+                            print(f"skip {backend} ({shape_name}, page {page}, {kind}): {exc}", flush=True)
+                            continue
+                        times[backend] = bench(run)
                     if not args.no_torch and device.type == "cuda":
                         times["torch_sdpa"] = bench(sdpa_on_gathered(batch))
                     nbytes = kv_bytes(kv_lens, hkv, d, 2)
@@ -230,6 +246,7 @@ def run_grid(args: argparse.Namespace, device: torch.device, bench: Callable, ce
                         row |= dict(
                             backend=backend, ms=ms, kv_bw_frac=nbytes / (ms / 1e3) / 1e9 / ceilings["copy_gbps"]
                         )
+                        row["rel_err_vs_triton"] = errors[backend]
                         row["tflops_frac"] = flops / (ms / 1e3) / 1e12 / ceilings["matmul_tflops"]
                         if "flashinfer" in times:
                             row["flashinfer_over_this"] = times["flashinfer"] / ms
@@ -264,9 +281,9 @@ def markdown(report: dict) -> str:
         f"- ceilings: copy {ceil['copy_gbps']:.0f} GB/s (read + write), "
         f"bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s",
         "",
-        "| case | shape | ours ms | KV GB/s | of copy BW | TFLOP/s | of matmul peak "
-        "| torch/ours | FlashInfer/ours | err vs fp64 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | shape | triton ms | KV GB/s | of copy BW | TFLOP/s | of matmul peak "
+        "| torch/triton | FlashInfer/triton | err vs fp64 | cuda ms | cuda wgmma ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(row: dict, key: str, spec: str) -> str:
@@ -276,17 +293,21 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {r['case']} | {r['label']} | {r['ms']:.4f} | {r['kv_gbps']:.0f} | {r['kv_bw_frac']:.0%} | "
             f"{r['tflops']:.1f} | {r['tflops_frac']:.0%} | {fmt(r, 'speedup_vs_torch', '.1f')} | "
-            f"{fmt(r, 'speedup_vs_flashinfer', '.2f')} | {fmt(r, 'rel_err_vs_fp64', '.1e')} |"
+            f"{fmt(r, 'speedup_vs_flashinfer', '.2f')} | {fmt(r, 'rel_err_vs_fp64', '.1e')} | "
+            f"{fmt(r, 'cuda_ms', '.4f')} | {fmt(r, 'cuda_wgmma_ms', '.4f')} |"
         )
     lines += ["", "Targets:"] + [f"- {t}" for t in report["targets"]]
     if report.get("grid"):
-        lines += ["", "| shape | page | dtype | kind | backend | ms | of copy BW | of peak | FlashInfer/this |"]
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines += [
+            "",
+            "| shape | page | dtype | kind | backend | ms | of copy BW | of peak | FlashInfer/this | err vs triton |",
+        ]
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in report["grid"]:
             fi = f"{r['flashinfer_over_this']:.2f}" if "flashinfer_over_this" in r else "-"
             lines.append(
                 f"| {r['shape']} | {r['page']} | {r['dtype']} | {r['kind']} | {r['backend']} | {r['ms']:.4f} "
-                f"| {r['kv_bw_frac']:.0%} | {r['tflops_frac']:.0%} | {fi} |"
+                f"| {r['kv_bw_frac']:.0%} | {r['tflops_frac']:.0%} | {fi} | {r['rel_err_vs_triton']:.1e} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -33,7 +33,8 @@ PYBIND11_MODULE(_C, m) {
   };
   m.def("paged_attention", [attention_args](py::kwargs kw) { paged_attention(attention_args(kw)); });
   m.def("attention_impl", [attention_args](py::kwargs kw) { return attention_impl(attention_args(kw)); },
-        "1: the CUDA-core kernel, 2: the tensor-core kernel would run for these arguments");
+        "which kernel would run for these arguments: 1 the CUDA-core one, 2 the tensor-core one, 3 the "
+        "tensor-core one with wgmma prefill tiles");
 
   m.def(
       "store_kv",

@@ -13,9 +13,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace minengine {
 
@@ -66,13 +69,34 @@ __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const
   emu::mma_m16n8k16<T>(d, a, b, d);
 }
 
+#define ME_HAS_WGMMA 1
+template <int N, typename R> __device__ __forceinline__ void fence_registers(R*) {}
+__device__ __forceinline__ uint32_t smem_address(const void* p) { return emu::shared_address(p); }
+__device__ __forceinline__ void fence_proxy_async() { emu::fence_proxy_async(); }
+__device__ __forceinline__ void wgmma_fence() { emu::wgmma_fence(); }
+__device__ __forceinline__ void wgmma_commit() { emu::wgmma_commit(); }
+template <int N> __device__ __forceinline__ void wgmma_wait() { emu::wgmma_wait(N); }
+template <typename T, int TransB>
+__device__ __forceinline__ void wgmma_m64n64k16(float d[32], const uint32_t a[4], uint64_t desc_b) {
+  emu::wgmma_m64n64k16<T>(d, a, desc_b, TransB);
+}
+
 #else
 
 #define ME_DYNAMIC_SMEM(name) extern __shared__ __align__(16) char name[]
 #define ME_LAUNCH(kernel, grid, block, smem, stream, ...) (kernel)<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 
+// Raises a kernel's dynamic shared-memory limit past the default 48 KB, once per (kernel, device).
 inline void set_max_dynamic_smem(const void* kernel, int bytes) {
-  if (bytes > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> done;
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (done.insert({kernel, device}).second) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  }
 }
 
 // 16-byte global -> shared copy that bypasses L1; src_bytes < 16 zero-fills the rest (0: no read).
@@ -104,7 +128,100 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float d[4], const uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+
+// ---- Hopper warpgroup MMA (sm_90a) ---------------------------------------------------------------
+// ME_HAS_WGMMA: this compilation pass can emit wgmma (the sm_90a device pass, or the emulator). In
+// other passes the helpers trap; the host never launches them there (paged_attention checks
+// the device and MINENGINE_SM90A, which setup.py defines when 9.0a is among the target archs).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ME_HAS_WGMMA 1
+#else
+#define ME_HAS_WGMMA 0
 #endif
+
+// An empty asm that reads and writes N registers: keeps the compiler from moving their accesses
+// across wgmma_fence / wgmma_wait (a register written between the fence and a wgmma that uses it,
+// or read before the wait, is undefined).
+template <int N, typename R> __device__ __forceinline__ void fence_registers(R* r) {
+  static_assert(sizeof(R) == 4, "32-bit registers");
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if constexpr (std::is_same<R, float>::value) {
+      asm volatile("" : "+f"(r[i])::"memory");
+    } else {
+      asm volatile("" : "+r"(r[i])::"memory");
+    }
+  }
+}
+
+// Address of a shared-memory location in the shared window (what wgmma descriptors hold).
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Makes this thread's generic-proxy writes to shared memory (cp.async included) visible to the
+// async proxy that wgmma reads through; a barrier then publishes them to the warpgroup.
+__device__ __forceinline__ void fence_proxy_async() {
+#if ME_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_fence() {
+#if ME_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if ME_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+#if ME_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// d[64 x 64] += a[64 x 16] * b[16 x 64] for one warpgroup (4 warps): A from registers (each warp 16
+// rows, the mma.sync m16n8k16 A layout), B from shared memory through a descriptor (TransB 0:
+// K-major, 1: N-major), D in the m16n8 accumulator layout repeated over 8 column blocks:
+// d[4 * j + i] = row (warp * 16 + g + 8 * (i >= 2)), column 8 * j + 2 * t + (i & 1).
+#if ME_HAS_WGMMA
+#define ME_WGMMA_M64N64K16(TYPE, TRANS)                                                                        \
+  asm volatile(                                                                                                \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                              \
+      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"   \
+      "%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, %37;\n"                                          \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
+        "+f"(d[30]), "+f"(d[31])                                                                              \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS))
+#else
+#define ME_WGMMA_M64N64K16(TYPE, TRANS) __trap()
+#endif
+
+template <typename T, int TransB>
+__device__ __forceinline__ void wgmma_m64n64k16(float d[32], const uint32_t a[4], uint64_t desc_b) {
+  static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value, "wgmma takes fp16 or bf16");
+  if constexpr (std::is_same<T, __half>::value) {
+    ME_WGMMA_M64N64K16("f16", TransB);
+  } else {
+    ME_WGMMA_M64N64K16("bf16", TransB);
+  }
+}
+#undef ME_WGMMA_M64N64K16
+
+#endif
+
+// Descriptor of a wgmma B operand in shared memory laid out in 128-byte swizzled atoms (8 rows of
+// 128 bytes, the 16-byte chunk index XORed with the row index; atoms 1024-byte aligned): start
+// address, leading / stride byte offsets (16-byte units), layout type 1 = 128B swizzle.
+__device__ __forceinline__ uint64_t sw128_descriptor(uint32_t address, uint32_t leading, uint32_t stride) {
+  return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading >> 4) << 16) |
+         (static_cast<uint64_t>(stride >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
 
 #ifdef MINENGINE_EMULATE
 inline void check_launch(const char*) {}  // emulated launches throw their own errors

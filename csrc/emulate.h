@@ -7,6 +7,11 @@
 //   m16n8k16 with fp32 accumulation) with the fragment layouts of the PTX ISA;
 // - cp.async: a copy is deferred until the thread waits for its group, so reading shared memory
 //   before cp_async_wait sees stale data, as it may on the GPU;
+// - Hopper's wgmma (m64n64k16, A from registers, B from shared memory through a 128B-swizzle
+//   descriptor) as an asynchronous warpgroup operation: it runs when the warpgroup waits for its
+//   group, reading shared memory and writing the accumulators then, so touching either between
+//   issue and wait gives wrong results here too (the A registers are read at issue, unchecked). A wgmma needs a wgmma.fence since the last wait,
+//   and shared memory written by cp.async needs fence.proxy.async before a wgmma reads it;
 // - dynamic shared memory, one buffer per block, filled with a NaN pattern before each block;
 // - the alignment rule of cp.async (source and destination aligned to the copy size).
 // A barrier that not every thread reaches (divergence, or a thread that returned early while
@@ -25,6 +30,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace minengine::emu {
@@ -40,6 +46,13 @@ struct CopyOp {
   int bytes, src_bytes;
 };
 
+struct WgmmaOp {
+  float* d;
+  uint32_t a[4];
+  uint64_t desc;
+  int trans_b, bf16;
+};
+
 struct Fiber {
   ucontext_t context;
   std::vector<char> stack;
@@ -48,6 +61,10 @@ struct Fiber {
   uint64_t collectives = 0;                  // warp collectives entered (selects the exchange slot)
   std::vector<std::vector<CopyOp>> groups;   // committed cp.async groups, oldest first
   std::vector<CopyOp> open;                  // cp.async issued since the last commit
+  std::vector<std::vector<WgmmaOp>> wg_groups;  // committed wgmma groups, oldest first
+  std::vector<WgmmaOp> wg_open;                 // wgmma issued since the last commit
+  bool wg_fenced = false;    // wgmma.fence since the last wgmma wait
+  bool proxy_dirty = false;  // landed cp.async not yet followed by fence.proxy.async
 };
 
 // Per-warp exchange area of the collectives: two slots (double buffered) of 32 lanes.
@@ -64,6 +81,7 @@ struct Block {
   uint64_t events = 0;  // barrier arrivals and finished threads: progress of the block
   Barrier block_barrier;
   std::vector<Barrier> warp_barriers;
+  std::vector<Barrier> warpgroup_barriers;
   std::vector<LaneSlot> exchange;  // [warp][slot][lane]
   std::vector<char> smem;
   std::string error;
@@ -82,16 +100,18 @@ inline void yield() {
   swapcontext(&b.current->context, &b.scheduler);
 }
 
-inline void wait(Barrier& bar) {
+// Returns true in the thread that arrived last: it runs on before any other thread resumes.
+inline bool wait(Barrier& bar) {
   Block& b = state();
   const uint64_t gen = bar.generation;
   ++b.events;
   if (++bar.arrived == bar.expected) {
     bar.arrived = 0;
     ++bar.generation;
-    return;
+    return true;
   }
   while (bar.generation == gen) yield();
+  return false;
 }
 
 inline unsigned thread_index() { return state().current->index; }
@@ -186,12 +206,130 @@ inline void cp_async_commit() {
 inline void cp_async_wait(int pending) {
   Fiber* f = state().current;
   while (static_cast<int>(f->groups.size()) > pending) {
+    if (!f->groups.front().empty()) f->proxy_dirty = true;
     for (const CopyOp& op : f->groups.front()) {
       std::memcpy(op.dst, op.src, static_cast<size_t>(op.src_bytes));
       std::memset(static_cast<char*>(op.dst) + op.src_bytes, 0, static_cast<size_t>(op.bytes - op.src_bytes));
     }
     f->groups.erase(f->groups.begin());
   }
+}
+
+// ---- wgmma --------------------------------------------------------------------------------------
+
+// Dynamic shared memory starts at this shared-window address: 16-byte aligned and no more, as the
+// GPU promises, so a kernel that needs 1024-byte aligned swizzle atoms must align them itself.
+constexpr uint32_t kSharedBase = 0x90;
+
+inline uint32_t shared_address(const void* p) {
+  const Block& b = state();
+  const char* c = static_cast<const char*>(p);
+  if (c < b.smem.data() || c > b.smem.data() + b.smem.size()) {
+    throw std::runtime_error("shared-memory address of a pointer outside shared memory");
+  }
+  return kSharedBase + static_cast<uint32_t>(c - b.smem.data());
+}
+
+inline void fence_proxy_async() { state().current->proxy_dirty = false; }
+inline void wgmma_fence() { state().current->wg_fenced = true; }
+
+inline Fiber* warpgroup_fibers() {
+  Block& b = state();
+  return &b.fibers[thread_index() / 128 * 128];
+}
+
+template <typename T>
+inline void wgmma_m64n64k16(float d[32], const uint32_t a[4], uint64_t desc, int trans_b) {
+  Block& b = state();
+  Fiber* f = b.current;
+  if (b.block.x * b.block.y * b.block.z % 128 != 0) throw std::runtime_error("wgmma in a block of partial warpgroups");
+  if (!f->wg_fenced) throw std::runtime_error("wgmma issued without wgmma.fence since the last wgmma wait");
+  const Fiber* group = warpgroup_fibers();
+  for (int i = 0; i < 128; ++i) {
+    if (group[i].proxy_dirty) {
+      throw std::runtime_error("wgmma reads shared memory written by cp.async without fence.proxy.async");
+    }
+  }
+  WgmmaOp op{d, {a[0], a[1], a[2], a[3]}, desc, trans_b, std::is_same<T, __nv_bfloat16>::value ? 1 : 0};
+  f->wg_open.push_back(op);
+}
+
+inline void wgmma_commit() {
+  Fiber* f = state().current;
+  f->wg_groups.push_back(std::move(f->wg_open));
+  f->wg_open.clear();
+}
+
+// One wgmma over the 128 threads' parts: D = D + A * B, B read through the descriptor now.
+inline void wgmma_execute(Fiber* group, size_t index) {
+  const Block& b = state();
+  const WgmmaOp& first = group[0].wg_groups.front()[index];
+  const uint64_t desc = first.desc;
+  if ((desc >> 62) != 1) throw std::runtime_error("emulated wgmma takes only 128B-swizzle descriptors");
+  if (((desc >> 49) & 7) != 0) throw std::runtime_error("emulated wgmma takes only base offset 0");
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4;
+  const uint32_t leading = static_cast<uint32_t>((desc >> 16) & 0x3FFF) << 4;
+  const uint32_t stride = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
+  auto element = [&](uint32_t address, int bf16) {
+    address ^= ((address >> 7) & 7u) << 4;  // Swizzle<3,4,3>: 16-byte chunk ^= row within the atom
+    if (address < kSharedBase || address - kSharedBase + 2 > b.smem.size()) {
+      throw std::runtime_error("wgmma B operand outside shared memory");
+    }
+    uint16_t bits;
+    std::memcpy(&bits, b.smem.data() + (address - kSharedBase), sizeof(bits));
+    return bf16 ? half_of<__nv_bfloat16>(bits, 0) : half_of<__half>(bits, 0);
+  };
+  float B[16][64];
+  for (int k = 0; k < 16; ++k) {
+    for (int n = 0; n < 64; ++n) {
+      const uint32_t address =
+          first.trans_b
+              ? start + (n / 64) * leading + (n % 64) * 2 + (k / 8) * stride + (k % 8) * 128  // N-major
+              : start + (n / 8) * stride + (n % 8) * 128 + k * 2;                              // K-major
+      B[k][n] = element(address, first.bf16);
+    }
+  }
+  for (int m = 0; m < 64; ++m) {
+    const int w = m / 16, r = m % 16;
+    float A[16];
+    for (int k = 0; k < 16; ++k) {
+      const WgmmaOp& op = group[w * 32 + (r % 8) * 4 + (k % 8) / 2].wg_groups.front()[index];
+      if (op.desc != desc || op.trans_b != first.trans_b || op.bf16 != first.bf16) {
+        throw std::runtime_error("the threads of a warpgroup issued different wgmma operations");
+      }
+      const uint32_t word = op.a[(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
+      A[k] = first.bf16 ? half_of<__nv_bfloat16>(word, k % 2) : half_of<__half>(word, k % 2);
+    }
+    for (int n = 0; n < 64; ++n) {
+      float sum = 0.f;
+      for (int k = 0; k < 16; ++k) sum += A[k] * B[k][n];
+      const WgmmaOp& out = group[w * 32 + (r % 8) * 4 + (n % 8) / 2].wg_groups.front()[index];
+      out.d[4 * (n / 8) + (r >= 8 ? 2 : 0) + (n % 2)] += sum;
+    }
+  }
+}
+
+// wgmma.wait_group: all 128 threads arrive; the last runs every group older than the newest
+// `pending` ones, for the whole warpgroup, before any thread resumes.
+inline void wgmma_wait(int pending) {
+  Block& b = state();
+  Fiber* f = b.current;
+  if (!wait(b.warpgroup_barriers[thread_index() / 128])) {
+    f->wg_fenced = false;
+    return;
+  }
+  Fiber* group = warpgroup_fibers();
+  while (static_cast<int>(group[0].wg_groups.size()) > pending) {
+    const size_t ops = group[0].wg_groups.front().size();
+    for (int i = 0; i < 128; ++i) {
+      if (group[i].wg_groups.size() != group[0].wg_groups.size() || group[i].wg_groups.front().size() != ops) {
+        throw std::runtime_error("the threads of a warpgroup committed different wgmma groups");
+      }
+    }
+    for (size_t j = 0; j < ops; ++j) wgmma_execute(group, j);
+    for (int i = 0; i < 128; ++i) group[i].wg_groups.erase(group[i].wg_groups.begin());
+  }
+  f->wg_fenced = false;
 }
 
 inline void fiber_entry() {
@@ -213,6 +351,7 @@ inline void run_block() {
   if (b.fibers.size() < threads) b.fibers.resize(threads);
   b.block_barrier = Barrier{static_cast<int>(threads)};
   b.warp_barriers.assign((threads + 31) / 32, Barrier{32});
+  b.warpgroup_barriers.assign((threads + 127) / 128, Barrier{128});
   b.exchange.assign(b.warp_barriers.size() * 2 * 32, LaneSlot{});
   std::fill(b.smem.begin(), b.smem.end(), static_cast<char>(0xff));  // NaN in every float type
   for (unsigned i = 0; i < threads; ++i) {
@@ -223,6 +362,10 @@ inline void run_block() {
     f.collectives = 0;
     f.groups.clear();
     f.open.clear();
+    f.wg_groups.clear();
+    f.wg_open.clear();
+    f.wg_fenced = false;
+    f.proxy_dirty = false;
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = f.stack.data();
     f.context.uc_stack.ss_size = f.stack.size();
@@ -239,6 +382,7 @@ inline void run_block() {
       if (f.done) --left;
     }
     if (left > 0 && b.events == before) {
+      if (!b.error.empty()) throw std::runtime_error(b.error);  // a thread failed; the rest wait for it
       throw std::runtime_error("emulated block (" + std::to_string(b.block_idx.x) + ", " +
                                std::to_string(b.block_idx.y) + ", " + std::to_string(b.block_idx.z) +
                                "): a barrier or warp collective that not every thread reaches");

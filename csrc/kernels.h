@@ -7,9 +7,11 @@
 namespace minengine {
 
 // impl: kAttentionAuto picks the tensor-core kernel when it applies (fp16/bf16 and 16-byte aligned
-// K/V rows, 4-byte aligned q rows), else the CUDA-core one. num_splits > 1 (the tensor-core kernel;
-// the CUDA-core one ignores it) needs part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
-enum AttentionImpl : int { kAttentionAuto = 0, kAttentionSimt = 1, kAttentionMma = 2 };
+// K/V rows, 4-byte aligned q rows), else the CUDA-core one. kAttentionWgmma, never picked by auto,
+// runs the tensor-core kernel with Hopper wgmma prefill tiles (an sm_90 GPU, a 9.0a build,
+// head_dim <= 128). num_splits > 1 (the tensor-core kernel; the CUDA-core one ignores it) needs
+// part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
+enum AttentionImpl : int { kAttentionAuto = 0, kAttentionSimt = 1, kAttentionMma = 2, kAttentionWgmma = 3 };
 
 struct PagedAttentionArgs {
   uintptr_t q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, part_acc, part_ml;
@@ -36,7 +38,7 @@ struct GatherArgs {
 };
 
 void paged_attention(const PagedAttentionArgs& args);
-// Which kernel paged_attention runs for these arguments (kAttentionSimt or kAttentionMma).
+// Which kernel paged_attention runs for these arguments (kAttentionSimt, kAttentionMma or kAttentionWgmma).
 int attention_impl(const PagedAttentionArgs& args);
 void store_kv(const StoreKVArgs& args);
 void gather_input_ids(const GatherArgs& args);

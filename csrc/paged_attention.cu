@@ -166,100 +166,241 @@ template <int D> struct MmaShape {
   static constexpr int kPitch = D + 8;  // shared-memory row pitch (elements): conflict-free fragments
 };
 
+// The wgmma prefill tile (sm_90a, D <= 128): 64 keys per stage, double-buffered, K and V stages in
+// 128B-swizzled atoms, plus up to 1 KB to align the first atom to 1024 bytes.
+constexpr int kWgmmaKeys = 64, kWgmmaStages = 2;
+
 template <typename T, int D, int KEYS, int STAGES> constexpr size_t kv_smem_bytes() {
   return static_cast<size_t>(2) * STAGES * KEYS * MmaShape<D>::kPitch * sizeof(T);
 }
 
-template <typename T, int D> constexpr size_t mma_smem_bytes() {
-  constexpr size_t prefill = kv_smem_bytes<T, D, MmaShape<D>::kPrefillKeys, MmaShape<D>::kPrefillStages>();
+constexpr size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+template <typename T, int D, bool WG> constexpr size_t mma_smem_bytes() {
+  constexpr size_t prefill = WG ? static_cast<size_t>(2) * kWgmmaStages * kWgmmaKeys * D * sizeof(T) + 1024
+                                : kv_smem_bytes<T, D, MmaShape<D>::kPrefillKeys, MmaShape<D>::kPrefillStages>();
   constexpr size_t decode = kv_smem_bytes<T, D, MmaShape<D>::kDecodeKeys, MmaShape<D>::kDecodeStages>();
   constexpr size_t merge = sizeof(float) * 4 * 16 * (D + 2);  // decode tiles: 4 warps' partials
-  return prefill > decode ? (prefill > merge ? prefill : merge) : (decode > merge ? decode : merge);
+  return max3(prefill, decode, merge);
 }
 
-// One tile of BM = 16 * WM rows of sequence `seq`, starting at row tile * BM; WN warps split each
-// stage's KEYS keys (WM * WN = 4 warps).
-template <typename T, int D, int WM, int WN, int KEYS, int STAGES>
-__device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq, int tile) {
-  constexpr int BM = 16 * WM, KW = KEYS / WN, LD = MmaShape<D>::kPitch, CHUNKS = D / 8;
-  static_assert(WM * WN == kThreads / 32 && KW % 16 == 0, "tile shape");
-  const int kv_head = blockIdx.y, split = blockIdx.z;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp / WN, wn = warp % WN, g = lane >> 2, t = lane & 3;
+// The rows and keys of one tile of BM rows of sequence `seq`, starting at row tile * BM, and the two
+// rows of this thread: r = row0 + wm * 16 + g (+ 8).
+struct TileRows {
+  int q_start, n_rows, row0, key_hi, stage_lo, stage_hi;
+  int pos[2], tok[2], head[2];  // query position (-1: an invalid row, which sees no key), token, head
+  bool valid[2];
+};
 
-  const int q_start = p.cu[seq], q_len = p.cu[seq + 1] - q_start;
-  const int n_rows = q_len * p.group, row0 = tile * BM;
-  if (row0 >= n_rows) return;  // whole block
+// False when the tile is past the sequence's rows (the whole block returns).
+template <int BM, int KEYS>
+__device__ __forceinline__ bool tile_rows(const MmaParams& p, int seq, int tile, int wm, int g, TileRows& r) {
+  const int kv_head = blockIdx.y, split = blockIdx.z;
+  r.q_start = p.cu[seq];
+  const int q_len = p.cu[seq + 1] - r.q_start;
+  r.n_rows = q_len * p.group, r.row0 = tile * BM;
+  if (r.row0 >= r.n_rows) return false;
   const int ctx = p.seq_lens[seq] - q_len;  // position of the sequence's first query token
-  const int last_row = (row0 + BM < n_rows ? row0 + BM : n_rows) - 1;
+  const int last_row = (r.row0 + BM < r.n_rows ? r.row0 + BM : r.n_rows) - 1;
   const int kv_end = ctx + last_row / p.group + 1;  // keys any row of the tile sees
   const int num_stages = (kv_end + KEYS - 1) / KEYS;
   const int per_split = (num_stages + p.num_splits - 1) / p.num_splits;
-  const int stage_lo = split * per_split;
-  const int stage_hi = stage_lo + per_split < num_stages ? stage_lo + per_split : num_stages;
-  const int key_hi = stage_hi * KEYS < kv_end ? stage_hi * KEYS : kv_end;
-
-  // The two rows of this thread: r = row0 + wm * 16 + g (+ 8).
-  int pos[2], tok[2], head[2];
-  bool valid[2];
+  r.stage_lo = split * per_split;
+  r.stage_hi = r.stage_lo + per_split < num_stages ? r.stage_lo + per_split : num_stages;
+  r.key_hi = r.stage_hi * KEYS < kv_end ? r.stage_hi * KEYS : kv_end;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int r = row0 + wm * 16 + g + 8 * i;
-    valid[i] = r < n_rows;
-    tok[i] = q_start + (valid[i] ? r / p.group : 0);
-    head[i] = kv_head * p.group + (valid[i] ? r % p.group : 0);
-    pos[i] = valid[i] ? ctx + r / p.group : -1;  // an invalid row sees no key
+    const int row = r.row0 + wm * 16 + g + 8 * i;
+    r.valid[i] = row < r.n_rows;
+    r.tok[i] = r.q_start + (r.valid[i] ? row / p.group : 0);
+    r.head[i] = kv_head * p.group + (r.valid[i] ? row % p.group : 0);
+    r.pos[i] = r.valid[i] ? ctx + row / p.group : -1;
   }
+  return true;
+}
 
+// The start of a tile: Q of this thread's rows as mma A fragments (the same layout serves mma.sync
+// and wgmma), zero accumulators, running max -inf and sum 0.
+template <typename T, int D>
+__device__ __forceinline__ void start_tile(const MmaParams& p, const TileRows& r, int t, uint32_t qf[D / 16][4],
+                                           float acc[D / 8][4], float m[2], float l[2]) {
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
+  m[0] = m[1] = -INFINITY;
+  l[0] = l[1] = 0.f;
   const T* q = static_cast<const T*>(p.q);
-  uint32_t qf[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int i = j & 1, d = kk * 16 + 2 * t + (j >= 2 ? 8 : 0);
       qf[kk][j] = 0u;
-      if (valid[i] && d < p.head_dim) {
-        qf[kk][j] = *reinterpret_cast<const uint32_t*>(q + static_cast<int64_t>(tok[i]) * p.sq_t +
-                                                       static_cast<int64_t>(head[i]) * p.sq_h + d);
+      if (r.valid[i] && d < p.head_dim) {
+        qf[kk][j] = *reinterpret_cast<const uint32_t*>(q + static_cast<int64_t>(r.tok[i]) * p.sq_t +
+                                                       static_cast<int64_t>(r.head[i]) * p.sq_h + d);
       }
     }
   }
+}
 
-  float acc[D / 8][4];
+// K/V rows [stage * KEYS, + KEYS) into shared memory, the 16-byte chunk (row, c) at element offset
+// place(row, c) of ks and vs. Each key's page comes from the block table; keys at or past key_hi
+// are zero-filled without a read; chunks past head_dim are skipped (ZERO_PAD false: never read
+// back) or zero-filled (ZERO_PAD true: read by whole 64-dim wgmma operands).
+template <typename T, int D, int KEYS, bool ZERO_PAD, typename Place>
+__device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int32_t* table, int stage, int key_hi, T* ks,
+                                              T* vs, Place place) {
+  constexpr int CHUNKS = D / 8;
+  const int kv_head = blockIdx.y;
+  const T* k_base = static_cast<const T*>(p.k_cache);
+  const T* v_base = static_cast<const T*>(p.v_cache);
+  for (int i = threadIdx.x; i < KEYS * CHUNKS; i += kThreads) {
+    const int row = i / CHUNKS, c = i % CHUNKS, key = stage * KEYS + row;
+    if (!ZERO_PAD && c * 8 >= p.head_dim) continue;
+    const T* ksrc = k_base;
+    const T* vsrc = v_base;
+    const bool live = key < key_hi && c * 8 < p.head_dim;
+    if (live) {
+      const int64_t page = table[key / p.page_size], slot = key % p.page_size;
+      ksrc = k_base + page * p.sk_p + slot * p.sk_s + kv_head * p.sk_h + c * 8;
+      vsrc = v_base + page * p.sv_p + slot * p.sv_s + kv_head * p.sv_h + c * 8;
+    }
+    const int at = place(row, c);
+    cp_async_16(ks + at, ksrc, live ? 16 : 0);
+    cp_async_16(vs + at, vsrc, live ? 16 : 0);
+  }
+}
+
+// Where load_kv_stage puts the 16-byte chunk c of row `row` (element offsets). RowMajor: rows of
+// `pitch` elements (mma.sync tiles). Swizzle128: [D / 64][keys][64], each 128-byte row's chunks
+// XORed with the row index, the wgmma 128B-swizzle layout.
+template <int PITCH> struct RowMajor {
+  __device__ __forceinline__ int operator()(int row, int c) const { return row * PITCH + c * 8; }
+};
+template <int KEYS> struct Swizzle128 {
+  __device__ __forceinline__ int operator()(int row, int c) const {
+    return (c / 8) * KEYS * 64 + row * 64 + ((c % 8) ^ (row % 8)) * 8;
+  }
+};
+
+// Causal / range mask of S (NT 8-key tiles starting at key0, in the mma accumulator layout), then
+// the online-softmax update of this thread's two rows: S becomes P, acc and l are rescaled.
+template <int NT, int ND>
+__device__ __forceinline__ void online_softmax(const MmaParams& p, const TileRows& r, int key0, int t, float s[NT][4],
+                                               float acc[ND][4], float m[2], float l[2]) {
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int key = key0 + nt * 8 + 2 * t + (j & 1);
+      const bool seen = key < r.key_hi && key <= r.pos[j >> 1];
+      s[nt][j] = seen ? s[nt][j] * p.scale_log2 : -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m[i], mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;
+    const float alpha = exp2f(m[i] - base);
+    m[i] = m_new;
+    l[i] *= alpha;
+#pragma unroll
+    for (int dn = 0; dn < ND; ++dn) {
+      acc[dn][2 * i] *= alpha;
+      acc[dn][2 * i + 1] *= alpha;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
+      s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
+      l[i] += s[nt][2 * i] + s[nt][2 * i + 1];
+    }
+  }
+}
+
+// P of 16 keys (two 8-key accumulator tiles) as an mma A fragment.
+template <typename T> __device__ __forceinline__ void p_fragment(const float s0[4], const float s1[4], uint32_t a[4]) {
+  a[0] = pack2<T>(s0[0], s0[1]), a[1] = pack2<T>(s0[2], s0[3]);
+  a[2] = pack2<T>(s1[0], s1[1]), a[3] = pack2<T>(s1[2], s1[3]);
+}
+
+__device__ __forceinline__ void quad_sum(float l[2]) {  // the 4 threads of a quad share a row
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+  }
+}
+
+// Index of (split, token, head) in the split workspace.
+__device__ __forceinline__ int64_t workspace_row(const MmaParams& p, int token, int head) {
+  return (static_cast<int64_t>(blockIdx.z) * p.num_tokens + token) * p.num_q_heads + head;
+}
+
+// Writes this thread's two whole rows (quad-summed l): to out, or as partials to the workspace.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(const MmaParams& p, const TileRows& r, int t, float acc[D / 8][4],
+                                           const float m[2], const float l[2]) {
+  T* out = static_cast<T*>(p.out);
+  const bool partial = p.num_splits > 1;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (!r.valid[i]) continue;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const int64_t w = workspace_row(p, r.tok[i], r.head[i]);
+    T* o = out + static_cast<int64_t>(r.tok[i]) * p.so_t + static_cast<int64_t>(r.head[i]) * p.so_h;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      const int d = dn * 8 + 2 * t;
+      if (d >= p.head_dim) break;
+      if (partial) {
+        p.part_acc[w * p.head_dim + d] = acc[dn][2 * i];
+        p.part_acc[w * p.head_dim + d + 1] = acc[dn][2 * i + 1];
+      } else {
+        o[d] = from_float<T>(acc[dn][2 * i] * inv);
+        o[d + 1] = from_float<T>(acc[dn][2 * i + 1] * inv);
+      }
+    }
+    if (partial && t == 0) {
+      p.part_ml[w * 2] = m[i];
+      p.part_ml[w * 2 + 1] = l[i];
+    }
+  }
+}
+
+// One tile of BM = 16 * WM rows of sequence `seq` on mma.sync; WN warps split each stage's KEYS
+// keys (WM * WN = 4 warps).
+template <typename T, int D, int WM, int WN, int KEYS, int STAGES>
+__device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq, int tile) {
+  constexpr int BM = 16 * WM, KW = KEYS / WN, LD = MmaShape<D>::kPitch;
+  static_assert(WM * WN == kThreads / 32 && KW % 16 == 0, "tile shape");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp / WN, wn = warp % WN, g = lane >> 2, t = lane & 3;
+  TileRows r;
+  if (!tile_rows<BM, KEYS>(p, seq, tile, wm, g, r)) return;
+  uint32_t qf[D / 16][4];
+  float acc[D / 8][4], m[2], l[2];
+  start_tile<T, D>(p, r, t, qf, acc, m, l);
 
   T* ks = reinterpret_cast<T*>(smem);  // [STAGES][KEYS][LD]
   T* vs = ks + STAGES * KEYS * LD;
-  const T* k_base = static_cast<const T*>(p.k_cache);
-  const T* v_base = static_cast<const T*>(p.v_cache);
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
-
   auto load_stage = [&](int stage, int buf) {
-    for (int i = threadIdx.x; i < KEYS * CHUNKS; i += kThreads) {
-      const int row = i / CHUNKS, c = i % CHUNKS, key = stage * KEYS + row;
-      if (c * 8 >= p.head_dim) continue;  // columns past head_dim are never read back
-      const T* ksrc = k_base;
-      const T* vsrc = v_base;
-      const bool live = key < key_hi;
-      if (live) {
-        const int64_t page = table[key / p.page_size], slot = key % p.page_size;
-        ksrc = k_base + page * p.sk_p + slot * p.sk_s + kv_head * p.sk_h + c * 8;
-        vsrc = v_base + page * p.sv_p + slot * p.sv_s + kv_head * p.sv_h + c * 8;
-      }
-      cp_async_16(ks + (buf * KEYS + row) * LD + c * 8, ksrc, live ? 16 : 0);
-      cp_async_16(vs + (buf * KEYS + row) * LD + c * 8, vsrc, live ? 16 : 0);
-    }
+    load_kv_stage<T, D, KEYS, false>(p, table, stage, r.key_hi, ks + buf * KEYS * LD, vs + buf * KEYS * LD,
+                                     RowMajor<LD>{});
   };
 
-  if (stage_lo < stage_hi) load_stage(stage_lo, 0);
+  if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
   cp_async_commit();
-  for (int stage = stage_lo; stage < stage_hi; ++stage) {
-    const int buf = (stage - stage_lo) % STAGES;
+  for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
+    const int buf = (stage - r.stage_lo) % STAGES;
     if (STAGES > 1) {
-      if (stage + 1 < stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
+      if (stage + 1 < r.stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -268,7 +409,6 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
     __syncthreads();
 
     // S = Q K^T for this warp's KW keys.
-    const int key0 = stage * KEYS + wn * KW;
     const T* kt = ks + (buf * KEYS + wn * KW) * LD;
     const T* vt = vs + (buf * KEYS + wn * KW) * LD;
     float s[KW / 8][4];
@@ -284,48 +424,13 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
         mma_16816<T>(s[nt], qf[kk], b);
       }
     }
-
-    // Causal / range mask, then the online softmax update of each row.
-#pragma unroll
-    for (int nt = 0; nt < KW / 8; ++nt) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int key = key0 + nt * 8 + 2 * t + (j & 1);
-        const bool seen = key < key_hi && key <= pos[j >> 1];
-        s[nt][j] = seen ? s[nt][j] * p.scale_log2 : -INFINITY;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < KW / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m[i], mx);
-      const float base = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = exp2f(m[i] - base);
-      m[i] = m_new;
-      l[i] *= alpha;
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        acc[dn][2 * i] *= alpha;
-        acc[dn][2 * i + 1] *= alpha;
-      }
-#pragma unroll
-      for (int nt = 0; nt < KW / 8; ++nt) {
-        s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
-        s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
-        l[i] += s[nt][2 * i] + s[nt][2 * i + 1];
-      }
-    }
+    online_softmax<KW / 8, D / 8>(p, r, stage * KEYS + wn * KW, t, s, acc, m, l);
 
     // O += P V: P's accumulators become A fragments (16 keys = two 8-key tiles).
 #pragma unroll
     for (int kc = 0; kc < KW / 16; ++kc) {
-      const uint32_t a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]), pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                             pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                             pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+      uint32_t a[4];
+      p_fragment<T>(s[2 * kc], s[2 * kc + 1], a);
       const uint16_t* vr = reinterpret_cast<const uint16_t*>(vt + (kc * 16 + 2 * t) * LD + g);
 #pragma unroll
       for (int dn = 0; dn < D / 8; ++dn) {
@@ -336,48 +441,14 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
       }
     }
     __syncthreads();  // the buffer is refilled next
-    if (STAGES == 1 && stage + 1 < stage_hi) {
+    if (STAGES == 1 && stage + 1 < r.stage_hi) {
       load_stage(stage + 1, 0);
       cp_async_commit();
     }
   }
-
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {  // the 4 threads of a quad share a row: total its sum
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-    l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-  }
-
-  T* out = static_cast<T*>(p.out);
-  const bool partial = p.num_splits > 1;
-  auto row_offset = [&](int token, int h) {  // index of (split, token, head) in the workspace
-    return (static_cast<int64_t>(split) * p.num_tokens + token) * p.num_q_heads + h;
-  };
-
+  quad_sum(l);
   if (WN == 1) {  // each warp holds whole rows: write them
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (!valid[i]) continue;
-      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-      const int64_t w = row_offset(tok[i], head[i]);
-      T* o = out + static_cast<int64_t>(tok[i]) * p.so_t + static_cast<int64_t>(head[i]) * p.so_h;
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        const int d = dn * 8 + 2 * t;
-        if (d >= p.head_dim) break;
-        if (partial) {
-          p.part_acc[w * p.head_dim + d] = acc[dn][2 * i];
-          p.part_acc[w * p.head_dim + d + 1] = acc[dn][2 * i + 1];
-        } else {
-          o[d] = from_float<T>(acc[dn][2 * i] * inv);
-          o[d + 1] = from_float<T>(acc[dn][2 * i + 1] * inv);
-        }
-      }
-      if (partial && t == 0) {
-        p.part_ml[w * 2] = m[i];
-        p.part_ml[w * 2 + 1] = l[i];
-      }
-    }
+    store_rows<T, D>(p, r, t, acc, m, l);
     return;
   }
 
@@ -387,37 +458,39 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
   __syncthreads();                                 // all warps are done with the K/V buffers
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int r = g + 8 * i;
+    const int row = g + 8 * i;
     if (t == 0) {
-      red_ml[(wn * 16 + r) * 2] = m[i];
-      red_ml[(wn * 16 + r) * 2 + 1] = l[i];
+      red_ml[(wn * 16 + row) * 2] = m[i];
+      red_ml[(wn * 16 + row) * 2 + 1] = l[i];
     }
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
       const int d = dn * 8 + 2 * t;
       if (d >= p.head_dim) break;
-      red_acc[(wn * 16 + r) * D + d] = acc[dn][2 * i];
-      red_acc[(wn * 16 + r) * D + d + 1] = acc[dn][2 * i + 1];
+      red_acc[(wn * 16 + row) * D + d] = acc[dn][2 * i];
+      red_acc[(wn * 16 + row) * D + d + 1] = acc[dn][2 * i + 1];
     }
   }
   __syncthreads();
+  T* out = static_cast<T*>(p.out);
+  const int kv_head = blockIdx.y;
   for (int idx = threadIdx.x; idx < 16 * p.head_dim; idx += kThreads) {
-    const int r = idx / p.head_dim, d = idx % p.head_dim, row = row0 + r;
-    if (row >= n_rows) continue;
+    const int rr = idx / p.head_dim, d = idx % p.head_dim, row = r.row0 + rr;
+    if (row >= r.n_rows) continue;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < WN; ++w) mx = fmaxf(mx, red_ml[(w * 16 + r) * 2]);
+    for (int w = 0; w < WN; ++w) mx = fmaxf(mx, red_ml[(w * 16 + rr) * 2]);
     const float base = mx == -INFINITY ? 0.f : mx;
     float sum = 0.f, value = 0.f;
 #pragma unroll
     for (int w = 0; w < WN; ++w) {
-      const float weight = exp2f(red_ml[(w * 16 + r) * 2] - base);
-      sum += weight * red_ml[(w * 16 + r) * 2 + 1];
-      value += weight * red_acc[(w * 16 + r) * D + d];
+      const float weight = exp2f(red_ml[(w * 16 + rr) * 2] - base);
+      sum += weight * red_ml[(w * 16 + rr) * 2 + 1];
+      value += weight * red_acc[(w * 16 + rr) * D + d];
     }
-    const int token = q_start + row / p.group, h = kv_head * p.group + row % p.group;
-    if (partial) {
-      const int64_t w = row_offset(token, h);
+    const int token = r.q_start + row / p.group, h = kv_head * p.group + row % p.group;
+    if (p.num_splits > 1) {
+      const int64_t w = workspace_row(p, token, h);
       p.part_acc[w * p.head_dim + d] = value;
       if (d == 0) {
         p.part_ml[w * 2] = mx;
@@ -430,12 +503,93 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
   }
 }
 
+// One 64-row prefill tile on Hopper's warpgroup MMA (the block's 4 warps are one warpgroup).
+// K/V stages are stored as [D / 64][KEYS][64] with 128-byte rows whose 16-byte chunks are XORed
+// with the row index (the 128B-swizzle layout), which makes them wgmma B operands: K-major for
+// S = Q K^T (K rows), N-major (transposed) for O += P V. Q and P stay in registers as A operands;
+// each stage issues D / 16 wgmmas for S and 4 x D / 64 for P V, waiting for each group before the
+// softmax reads S or the next stage rescales O.
+template <typename T, int D>
+__device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int seq, int tile) {
+  constexpr int KEYS = kWgmmaKeys, STAGES = kWgmmaStages;
+  constexpr uint32_t ATOMS = KEYS * 128, STAGE_BYTES = ATOMS * (D / 64);  // bytes per 64-dim block, per stage
+  static_assert(D % 64 == 0 && D <= 128, "wgmma tile head dims");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  TileRows r;
+  if (!tile_rows<64, KEYS>(p, seq, tile, warp, g, r)) return;
+  uint32_t qf[D / 16][4];
+  float acc[D / 8][4], m[2], l[2];
+  start_tile<T, D>(p, r, t, qf, acc, m, l);
+
+  T* ks = reinterpret_cast<T*>(smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u));  // [STAGES][D/64][KEYS][64]
+  T* vs = ks + STAGES * STAGE_BYTES / sizeof(T);
+  const uint32_t k_address = smem_address(ks), v_address = smem_address(vs);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
+  auto load_stage = [&](int stage, int buf) {
+    const int at = buf * STAGE_BYTES / sizeof(T);
+    load_kv_stage<T, D, KEYS, true>(p, table, stage, r.key_hi, ks + at, vs + at, Swizzle128<KEYS>{});
+  };
+
+  if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
+  cp_async_commit();
+  for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
+    const int buf = (stage - r.stage_lo) % STAGES;
+    if (stage + 1 < r.stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();  // the landed copies, to the async proxy wgmma reads through
+    __syncthreads();
+
+    // S = Q K^T: k-step kk reads dims [16 kk, 16 kk + 16) of all 64 keys (32 bytes into the atom row).
+    float s[KEYS / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < KEYS / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    const uint32_t k_stage = k_address + buf * STAGE_BYTES, v_stage = v_address + buf * STAGE_BYTES;
+    fence_registers<KEYS / 2>(&s[0][0]);  // the zeros are written before the fence
+    fence_registers<D / 4>(&qf[0][0]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {  // dims past head_dim are zeros in Q and K
+      const uint64_t desc = sw128_descriptor(k_stage + (kk / 4) * ATOMS + (kk % 4) * 32, 16, 1024);
+      wgmma_m64n64k16<T, 0>(&s[0][0], qf[kk], desc);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers<KEYS / 2>(&s[0][0]);  // and read after the wait
+    online_softmax<KEYS / 8, D / 8>(p, r, stage * KEYS, t, s, acc, m, l);
+
+    // O += P V: k-step kc reads keys [16 kc, 16 kc + 16), N-major, one wgmma per 64 dims. All of P
+    // is packed first: registers written between the wgmmas of a group would make ptxas serialize.
+    uint32_t pf[KEYS / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < KEYS / 16; ++kc) p_fragment<T>(s[2 * kc], s[2 * kc + 1], pf[kc]);
+    fence_registers<KEYS / 4>(&pf[0][0]);
+    fence_registers<D / 2>(&acc[0][0]);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < KEYS / 16; ++kc) {
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) {
+        const uint64_t desc = sw128_descriptor(v_stage + c * ATOMS + kc * 16 * 128, ATOMS, 1024);
+        wgmma_m64n64k16<T, 1>(&acc[c * 8][0], pf[kc], desc);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers<D / 2>(&acc[0][0]);
+    __syncthreads();  // the buffer is refilled next
+  }
+  quad_sum(l);
+  store_rows<T, D>(p, r, t, acc, m, l);
+}
+
 // A sequence runs as decode tiles when all its rows fit one 16-row tile.
 __device__ __forceinline__ bool decode_kind(const MmaParams& p, int seq) {
   return (p.cu[seq + 1] - p.cu[seq]) * p.group <= 16;
 }
 
-template <typename T, int D>
+// WG: prefill tiles on wgmma (sm_90a, D <= 128) instead of mma.sync; decode tiles are the same.
+template <typename T, int D, bool WG>
 __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const MmaParams p) {
   ME_DYNAMIC_SMEM(smem);
   using S = MmaShape<D>;
@@ -449,7 +603,11 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const MmaParams
     }
     if (decode_kind(p, lo)) return;
     const int tile = bid - static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group / 64) - lo;
-    mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, lo, tile);
+    if constexpr (WG) {
+      wgmma_tile<T, D>(p, smem, lo, tile);
+    } else {
+      mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, lo, tile);
+    }
     return;
   }
   const int seq = bid - p.prefill_blocks;
@@ -508,12 +666,37 @@ std::string mma_unsupported(const PagedAttentionArgs& a) {
   return "";
 }
 
+// Why the wgmma kernel cannot run these arguments here, or "" when it can: the tensor-core kernel's
+// rules, head dims up to 128, an sm_90 device and a build with sm_90a code (MINENGINE_SM90A).
+std::string wgmma_unsupported(const PagedAttentionArgs& a) {
+  std::string why = mma_unsupported(a);
+  if (!why.empty()) return why;
+  if (a.head_dim > 128) return "the wgmma kernel takes head_dim up to 128, not " + std::to_string(a.head_dim);
+#if defined(MINENGINE_EMULATE)
+  return "";
+#elif !defined(MINENGINE_SM90A)
+  return "the wgmma kernel needs a build with 9.0a in MINENGINE_CUDA_ARCHS";
+#else
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return "the wgmma kernel could not read the device's compute capability";
+  }
+  if (major != 9 || minor != 0) {
+    return "the wgmma kernel needs an sm_90 GPU (H100, H200); this one is sm_" + std::to_string(major * 10 + minor);
+  }
+  return "";
+#endif
+}
+
 }  // namespace
 
 int attention_impl(const PagedAttentionArgs& a) {
-  if (a.impl == kAttentionSimt || a.impl == kAttentionMma) return a.impl;
+  if (a.impl == kAttentionSimt || a.impl == kAttentionMma || a.impl == kAttentionWgmma) return a.impl;
   if (a.impl != kAttentionAuto) {
-    throw std::invalid_argument("attention impl " + std::to_string(a.impl) + "; allowed: 0 (auto), 1 (simt), 2 (mma)");
+    throw std::invalid_argument("attention impl " + std::to_string(a.impl) +
+                                "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma)");
   }
   return mma_unsupported(a).empty() ? kAttentionMma : kAttentionSimt;
 }
@@ -536,9 +719,10 @@ void launch_simt(const PagedAttentionArgs& a, cudaStream_t stream) {
   check_launch("paged_attention (CUDA cores)");
 }
 
-template <typename T, int D> void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
-  auto kernel = attention_mma_kernel<T, D>;
-  constexpr size_t smem = mma_smem_bytes<T, D>();
+template <typename T, int D, bool WG>
+void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
+  auto kernel = attention_mma_kernel<T, D, WG>;
+  constexpr size_t smem = mma_smem_bytes<T, D, WG>();
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   const dim3 grid(static_cast<unsigned>(p.prefill_blocks + a.num_seqs + 1), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(a.num_splits));
@@ -553,10 +737,18 @@ template <typename T, int D> void launch_mma_dim(const PagedAttentionArgs& a, co
   }
 }
 
-template <typename T> void launch_mma(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
-  if (a.head_dim <= 64) launch_mma_dim<T, 64>(a, p, stream);
-  else if (a.head_dim <= 128) launch_mma_dim<T, 128>(a, p, stream);
-  else launch_mma_dim<T, 256>(a, p, stream);
+template <typename T>
+void launch_mma(const PagedAttentionArgs& a, const MmaParams& p, bool wgmma, cudaStream_t stream) {
+  if (wgmma) {  // head_dim <= 128 (wgmma_unsupported)
+    if (a.head_dim <= 64) launch_mma_dim<T, 64, true>(a, p, stream);
+    else launch_mma_dim<T, 128, true>(a, p, stream);
+  } else if (a.head_dim <= 64) {
+    launch_mma_dim<T, 64, false>(a, p, stream);
+  } else if (a.head_dim <= 128) {
+    launch_mma_dim<T, 128, false>(a, p, stream);
+  } else {
+    launch_mma_dim<T, 256, false>(a, p, stream);
+  }
 }
 
 }  // namespace
@@ -576,7 +768,8 @@ void paged_attention(const PagedAttentionArgs& a) {
     launch_simt(a, stream);
     return;
   }
-  const std::string why = mma_unsupported(a);
+  const bool wgmma = impl == kAttentionWgmma;
+  const std::string why = wgmma ? wgmma_unsupported(a) : mma_unsupported(a);
   if (!why.empty()) throw std::invalid_argument(why);
   if (a.num_splits > 1 && (a.part_acc == 0 || a.part_ml == 0)) {
     throw std::invalid_argument("num_splits > 1 needs the part_acc and part_ml workspaces");
@@ -605,8 +798,8 @@ void paged_attention(const PagedAttentionArgs& a) {
   p.sq_t = a.sq_t, p.sq_h = a.sq_h, p.sk_p = a.sk_p, p.sk_s = a.sk_s, p.sk_h = a.sk_h;
   p.sv_p = a.sv_p, p.sv_s = a.sv_s, p.sv_h = a.sv_h, p.so_t = a.so_t, p.so_h = a.so_h, p.sbt = a.sbt;
   p.scale_log2 = static_cast<float>(a.softmax_scale) * kLog2e;
-  if (a.dtype == kFloat16) launch_mma<__half>(a, p, stream);
-  else launch_mma<__nv_bfloat16>(a, p, stream);
+  if (a.dtype == kFloat16) launch_mma<__half>(a, p, wgmma, stream);
+  else launch_mma<__nv_bfloat16>(a, p, wgmma, stream);
 }
 
 }  // namespace minengine

@@ -5,12 +5,19 @@
 #   bash profiles/memcheck.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for backend in triton cuda; do
+backends="triton cuda"
+if python -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
+  backends="$backends cuda-wgmma"  # the prefill tiles on wgmma
+fi
+for backend in $backends; do
   compute-sanitizer --tool memcheck --error-exitcode 1 python profiles/mixed_batch.py --backend $backend --small
 done
 compute-sanitizer --tool memcheck --error-exitcode 1 \
   python -m pytest -q -x tests/test_paged_attention.py tests/test_store_kv.py tests/test_gather_input_ids.py \
   tests/test_cuda_kernels.py -k "cuda or triton"
 for tool in racecheck synccheck; do
-  compute-sanitizer --tool $tool --error-exitcode 1 python profiles/mixed_batch.py --backend cuda --small
+  for backend in $backends; do
+    [ "$backend" = triton ] && continue
+    compute-sanitizer --tool $tool --error-exitcode 1 python profiles/mixed_batch.py --backend $backend --small
+  done
 done

@@ -1,11 +1,14 @@
 """Run the kernels a few times on the representative mixed batch (for ncu / compute-sanitizer).
 
-python profiles/mixed_batch.py --backend triton|cuda [--small]
+python profiles/mixed_batch.py --backend triton|cuda|cuda-wgmma [--small]
+
+cuda-wgmma: the cuda kernel with its prefill tiles on Hopper's wgmma (an sm_90 GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
@@ -15,11 +18,14 @@ from minengine.ops.testing import make_paged_batch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--backend", default="triton", choices=["triton", "cuda"])
+    p.add_argument("--backend", default="triton", choices=["triton", "cuda", "cuda-wgmma"])
     p.add_argument("--small", action="store_true", help="a small batch (for compute-sanitizer, which is slow)")
     p.add_argument("--iters", type=int, default=4)
     args = p.parse_args()
-    kernels = ops.get_kernels(args.backend, "cuda")
+    kernels = ops.get_kernels(args.backend.removesuffix("-wgmma"), "cuda")
+    attention = kernels.paged_attention
+    if args.backend == "cuda-wgmma":
+        attention = functools.partial(attention, impl="wgmma")
     if args.small:
         q_lens, kv_lens = [37] + [1] * 7, [90] + [70] * 7
     else:
@@ -30,7 +36,7 @@ def main() -> None:
     k = torch.randn(batch.q.shape[0], 8, 128, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(batch.q.shape[0], device="cuda")
     for _ in range(args.iters):
-        kernels.paged_attention(*batch.args())
+        attention(*batch.args())
         kernels.store_kv(k, k, batch.k_cache, batch.v_cache, slots)
         kernels.gather_input_ids(slots[:10], slots, slots[:5])
     torch.cuda.synchronize()

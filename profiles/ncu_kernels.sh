@@ -2,11 +2,16 @@
 # Nsight Compute on each kernel for a representative mixed batch (one 2048-token chunk over an 8k
 # prefix + 63 decodes at 4k, bf16, 32/8/128, page 16), Triton and CUDA backends: DRAM throughput,
 # achieved occupancy, tensor-pipe utilization, top warp-stall reasons. Clocks left as they are.
+# On an sm_90 GPU also cuda-wgmma (the CUDA kernel's prefill tiles on wgmma).
 #   bash profiles/ncu_kernels.sh          -> profiles/out/ncu_<backend>.txt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p profiles/out
-for backend in triton cuda; do
+backends="triton cuda"
+if python -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
+  backends="$backends cuda-wgmma"
+fi
+for backend in $backends; do
   ncu --clock-control none --target-processes all \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
       --kernel-name regex:'attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \

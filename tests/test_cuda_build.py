@@ -57,3 +57,8 @@ def test_binding_takes_the_wrappers_keywords():
         _C.attention_impl(**(args | {"extra": 1}))
     with pytest.raises(ValueError, match="attention impl 7; allowed"):
         _C.attention_impl(**(args | {"impl": 7}))
+    if "9.0a" in os.environ.get("MINENGINE_CUDA_ARCHS", "8.0;9.0a") and not torch.cuda.is_available():
+        # A 9.0a build knows it holds wgmma machine code, so it asks the device (none here) rather
+        # than refusing for the build's sake; either way the refusal comes before any launch.
+        with pytest.raises(ValueError, match="wgmma kernel could not read the device's compute capability"):
+            _C.paged_attention(**(args | {"impl": cuda.IMPLS["wgmma"]}))

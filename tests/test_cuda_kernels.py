@@ -1,6 +1,6 @@
 """The CUDA C++ attention kernels beyond the shared contract tests: both kernels (tensor cores and
 CUDA cores), which one ``auto`` picks, prefill and decode tiles in one launch, split-KV, wide GQA
-groups, and random batches.
+groups, Hopper's wgmma prefill tiles, and random batches.
 
 On a GPU these run the real kernels of ``minengine._C``; without one, the same sources compiled
 for the CPU and run by the warp-level emulator (``minengine/ops/cuda_emulator.py``).
@@ -32,6 +32,12 @@ def dev():
     use_cuda_emulator()
     yield torch.device("cpu")
     cuda.use_emulator(False)
+
+
+def needs_wgmma(dev):
+    """The wgmma prefill tiles run on an sm_90 GPU (H100, H200) and in the emulator."""
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) != (9, 0):
+        pytest.skip("wgmma needs an sm_90 GPU")
 
 
 def check(batch, dtype, **kwargs):
@@ -96,14 +102,44 @@ def test_wide_and_odd_groups(hq, hkv, q_lens, dev):
     check(batch_for(q_lens, [q + 30 for q in q_lens], torch.float16, dev, hq=hq, hkv=hkv), torch.float16)
 
 
-def test_random_batches(dev):
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_wgmma_prefill_tiles(head_dim, dtype, dev):
+    """Hopper's prefill tiles (wgmma, 128B-swizzled K/V stages, zero-padded head dims) over several
+    stages, next to decode tiles, an empty entry and padding rows, with and without split-KV."""
+    needs_wgmma(dev)
+    q_lens = [70, 1, 0, 9, 1]
+    kv_lens = [200, 150, 3, 140, 1]
+    batch = batch_for(q_lens, kv_lens, dtype, dev, d=head_dim, num_tokens=sum(q_lens) + 3)
+    assert cuda.chosen_kernel(*batch.args(), impl="wgmma") == "wgmma"
+    for splits in (1, 2):
+        out = check(batch, dtype, num_splits=splits, impl="wgmma")
+        assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
+
+
+def test_wgmma_refuses_what_it_cannot_run(dev):
+    batch = batch_for([20], [20], torch.bfloat16, dev, d=256)
+    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) != (9, 0):
+        with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+            cuda.paged_attention(*batch_for([20], [20], torch.bfloat16, dev).args(), impl="wgmma")
+    with pytest.raises(ValueError, match="the wgmma kernel takes head_dim up to 128, not 256"):
+        cuda.paged_attention(*batch.args(), impl="wgmma")
+    with pytest.raises(ValueError, match="tensor-core kernel takes fp16 or bf16"):
+        cuda.paged_attention(*batch_for([20], [20], torch.float32, dev).args(), impl="wgmma")
+
+
+@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+def test_random_batches(impl, dev):
+    if impl == "wgmma":
+        needs_wgmma(dev)
     seed = random.randrange(2**31)
     rng = random.Random(seed)
-    for _ in range(10):
+    for _ in range(10 if impl == "mma" else 6):
         q_lens = [rng.choice([0, 1, 1, 2, 5, 17, 40, 70]) for _ in range(rng.randint(0, 5))]
         kv_lens = [q + rng.choice([0, 1, 3, 20, 90]) for q in q_lens]
         hkv, group = rng.choice([1, 2, 3]), rng.choice([1, 2, 4, 5, 8, 16])
-        d, page = rng.choice([32, 48, 64, 96, 128, 160, 256]), rng.choice([1, 3, 16, 64])
+        dims = [32, 48, 64, 96, 128, 160, 256] if impl == "mma" else [32, 48, 64, 96, 128]
+        d, page = rng.choice(dims), rng.choice([1, 3, 16, 64])
         dtype = rng.choice([torch.float16, torch.bfloat16])
         splits = rng.choice([None, 1, 2, 4, 16])
         case = dict(q_lens=q_lens, kv_lens=kv_lens, hkv=hkv, group=group, d=d, page=page, dtype=dtype, splits=splits)
@@ -111,15 +147,15 @@ def test_random_batches(dev):
             q_lens, kv_lens, dtype, dev, hq=hkv * group, hkv=hkv, d=d, page=page, num_tokens=sum(q_lens) + 2
         )
         try:
-            check(batch, dtype, num_splits=splits, impl="mma")
+            check(batch, dtype, num_splits=splits, impl=impl)
         except AssertionError as exc:
             raise AssertionError(f"seed {seed}, case {case}: {exc}") from exc
 
 
 def test_bad_arguments_name_the_value(dev):
     batch = batch_for([1], [4], torch.float16, dev)
-    with pytest.raises(ValueError, match=r"impl is 'wgmma'; allowed: auto, simt, mma"):
-        cuda.paged_attention(*batch.args(), impl="wgmma")
+    with pytest.raises(ValueError, match=r"impl is 'fast'; allowed: auto, simt, mma, wgmma"):
+        cuda.paged_attention(*batch.args(), impl="fast")
     with pytest.raises(ValueError, match="num_splits is 3; allowed: a power of two from 1 to 16"):
         cuda.paged_attention(*batch.args(), num_splits=3)
     fp32 = batch_for([1], [4], torch.float32, dev)

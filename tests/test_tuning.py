@@ -1,4 +1,4 @@
-"""`auto`'s per-call-shape choice between triton and cuda from a device's tuning table."""
+"""`auto`'s per-call-shape choice among triton, cuda and cuda-wgmma from a device's tuning table."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ def test_call_kinds():
     assert tuning.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
 
-def grid_row(kind, backend, ms, shape="llama3-8b", page=16, dtype="bfloat16", head_dim=128):
-    return dict(kind=kind, backend=backend, ms=ms, shape=shape, page=page, dtype=dtype, head_dim=head_dim)
+def grid_row(kind, backend, ms, shape="llama3-8b", page=16, dtype="bfloat16", head_dim=128, err=1e-3):
+    return dict(
+        kind=kind, backend=backend, ms=ms, shape=shape, page=page, dtype=dtype, head_dim=head_dim, rel_err_vs_triton=err
+    )
 
 
 def test_pick_from_rows_totals_cases_both_backends_ran():
@@ -43,6 +45,32 @@ def test_pick_from_rows_totals_cases_both_backends_ran():
         "prefill/bfloat16/128": "triton",
     }
     assert picked["decode/bfloat16/128"]["total_ms"] == {"triton": 2.0, "cuda": 2.5}
+
+
+def test_pick_from_rows_drops_a_backend_that_was_wrong_once():
+    rows = [
+        grid_row("prefill", "triton", 1.0),
+        grid_row("prefill", "cuda", 0.9),
+        grid_row("prefill", "cuda-wgmma", 0.5),
+        grid_row("prefill", "triton", 1.0, page=64),
+        grid_row("prefill", "cuda", 0.9, page=64),
+        grid_row("prefill", "cuda-wgmma", 0.5, page=64),
+        grid_row("mixed", "triton", 1.0),
+        grid_row("mixed", "cuda", 0.9),
+        grid_row("mixed", "cuda-wgmma", 0.5),
+        grid_row("mixed", "triton", 1.0, page=64),
+        grid_row("mixed", "cuda", 0.9, page=64),
+        grid_row("mixed", "cuda-wgmma", 0.5, page=64, err=0.3),  # fast and wrong: out for mixed
+        grid_row("decode", "triton", 1.0, head_dim=256),  # cuda-wgmma never ran d256
+        grid_row("decode", "cuda", 2.0, head_dim=256),
+    ]
+    picked = tuning.pick_from_rows(rows)
+    assert {k: v["backend"] for k, v in picked.items()} == {
+        "decode/bfloat16/256": "triton",
+        "mixed/bfloat16/128": "cuda",
+        "prefill/bfloat16/128": "cuda-wgmma",
+    }
+    assert picked["mixed/bfloat16/128"]["total_ms"] == {"triton": 2.0, "cuda": 1.8}
 
 
 def test_tuned_attention_dispatches_per_call_shape():

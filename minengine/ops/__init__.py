@@ -6,7 +6,8 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
 - ``triton``: ``triton_kernels`` (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 - ``cuda``: the CUDA C++ kernels of ``minengine._C`` (GPU; built when nvcc is found);
 - ``flashinfer``: FlashInfer's paged attention behind our contract (GPU, optional import);
-- ``auto``: on CUDA, ``triton`` and ``cuda`` chosen per call shape from the device's committed
+- ``auto``: on CUDA, ``triton``, ``cuda`` or ``cuda-wgmma`` (the cuda kernel with Hopper wgmma
+  prefill tiles) chosen per call shape from the device's committed
   tuning table (``tuning.py``; backend name ``tuned``), or ``triton`` where the device has none
   (or ``minengine._C`` is not built); ``torch`` otherwise.
 
@@ -16,6 +17,7 @@ directly; the module-level wrappers below resolve per call, for scripts and test
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -65,13 +67,17 @@ def _tuning_table(device: torch.device) -> dict[str, str] | None:
 
 
 def _tuned_kernels(device: torch.device) -> KernelSet:
-    """Attention from triton or cuda per call shape (the device's table); triton's store and gather."""
+    """Attention from triton, cuda or cuda-wgmma per call shape (the device's table); triton's store
+    and gather."""
     from minengine.ops import tuning
 
     triton, cuda = _triton_kernels(), _cuda_kernels()
-    attention = tuning.tuned_attention(
-        _tuning_table(device), {"triton": triton.paged_attention, "cuda": cuda.paged_attention}
-    )
+    choices = {
+        "triton": triton.paged_attention,
+        "cuda": cuda.paged_attention,
+        "cuda-wgmma": functools.partial(cuda.paged_attention, impl="wgmma"),
+    }
+    attention = tuning.tuned_attention(_tuning_table(device), choices)
     return KernelSet(attention, triton.store_kv, triton.gather_input_ids)
 
 

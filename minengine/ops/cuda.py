@@ -7,6 +7,9 @@ unified addressing, fusing the host-to-device copy into the gather.
 
 ``paged_attention`` runs the tensor-core kernel (mma.sync, fp16/bf16, aligned K/V rows) with
 split-KV for few long sequences, else the CUDA-core kernel; ``impl`` forces one ("mma", "simt").
+``impl="wgmma"`` runs the tensor-core kernel with its prefill tiles on Hopper's warpgroup MMA
+(an sm_90 GPU and a build with 9.0a, head_dim <= 128); nothing picks it unless asked, or unless the
+device's tuning table measured it faster (backend ``cuda-wgmma`` of ``tuning.py``).
 
 After ``use_emulator()``, CPU tensors run through ``cuda_emulator`` (the same sources compiled for
 the CPU with a warp-level emulator): that is how the contract tests cover these kernels without
@@ -36,7 +39,7 @@ except ImportError as exc:  # built only where nvcc was found
 
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _INDEX = {torch.int32: 0, torch.int64: 1}
-IMPLS = {"auto": 0, "simt": 1, "mma": 2}
+IMPLS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3}
 
 _emulator = None  # the cuda_emulator module once use_emulator() was called
 
@@ -154,7 +157,8 @@ def chosen_kernel(
     max_seqlen_q: int,
     impl: str = "auto",
 ) -> str:
-    """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores) or "simt"."""
+    """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores), "wgmma" (tensor
+    cores, Hopper prefill tiles; only when asked for) or "simt"."""
     _, args = _attention_call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None, q, impl)
     code = _lib(q).attention_impl(**args)
     return next(name for name, value in IMPLS.items() if value == code)

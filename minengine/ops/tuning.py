@@ -1,10 +1,12 @@
-"""Which of our GPU attention kernels (``triton`` or ``cuda``) ``auto`` runs, per call shape.
+"""Which of our GPU attention kernels ``auto`` runs, per call shape: ``triton``, ``cuda`` or
+``cuda-wgmma`` (the cuda kernel with Hopper wgmma prefill tiles, sm_90 only).
 
 The choice comes from a table measured on the device and committed under
 ``minengine/ops/tuning/<device>.json``: ``python benchmarks/bench_attention.py --suite full
---write-tuning`` times both backends over the grid of shapes, page sizes, dtypes and batch kinds
-and keeps, per (batch kind, dtype, head dim), the backend with the lower total time. Without a
-table for the device, ``auto`` runs ``triton``.
+--write-tuning`` times our backends over the grid of shapes, page sizes, dtypes and batch kinds,
+checks each output against triton's, and keeps, per (batch kind, dtype, head dim), the backend with
+the lower total time among those that were right on every case. Without a table for the device,
+``auto`` runs ``triton``.
 
 The call shape is read from host values only (token count, sequence count, ``max_seqlen_q``), so
 picking adds no device sync and works under CUDA graph capture.
@@ -21,7 +23,8 @@ from pathlib import Path
 import torch
 
 TABLE_DIR = Path(__file__).resolve().parent / "tuning"
-CHOICES = ("triton", "cuda")
+CHOICES = ("triton", "cuda", "cuda-wgmma")
+MAX_REL_ERR = 2e-2  # a grid row further than this from triton's output disqualifies its backend
 KINDS = ("decode", "prefill", "mixed")
 
 
@@ -46,23 +49,35 @@ def table_key(kind: str, dtype: torch.dtype | str, head_dim: int) -> str:
 
 
 def pick_from_rows(rows: list[dict]) -> dict[str, dict]:
-    """Per table key, the backend with the lower total time over the rows both backends ran.
+    """Per table key, the fastest of our backends, totalled over the cases all its candidates ran.
 
-    rows: bench_attention grid rows (``kind``, ``dtype``, ``head_dim``, ``backend``, ``ms`` and the
-    identifying ``shape`` and ``page``); grid kind ``long-decode`` counts as ``decode``.
+    rows: bench_attention grid rows (``kind``, ``dtype``, ``head_dim``, ``backend``, ``ms``, the
+    identifying ``shape`` and ``page``, and ``rel_err_vs_triton``); grid kind ``long-decode``
+    counts as ``decode``. A key's candidates are the backends with a row for it and no row above
+    ``MAX_REL_ERR``; it needs triton and one more.
     """
-    cases: dict[tuple, dict[str, float]] = {}
+    by_key: dict[str, dict[tuple, dict[str, float]]] = {}
+    wrong: set[tuple[str, str]] = set()
     for r in rows:
-        if r["backend"] in CHOICES:
-            kind = "decode" if r["kind"] == "long-decode" else r["kind"]
-            case = (table_key(kind, r["dtype"], r["head_dim"]), r["shape"], r["page"], r["kind"])
-            cases.setdefault(case, {})[r["backend"]] = r["ms"]
-    totals: dict[str, dict[str, float]] = {}
-    for (key, *_), times in cases.items():
-        if set(times) == set(CHOICES):  # only cases both ran compare
-            for backend, ms in times.items():
-                totals.setdefault(key, dict.fromkeys(CHOICES, 0.0))[backend] += ms
-    return {key: {"backend": min(t, key=t.get), "total_ms": t} for key, t in sorted(totals.items())}
+        if r["backend"] not in CHOICES:
+            continue
+        kind = "decode" if r["kind"] == "long-decode" else r["kind"]
+        key = table_key(kind, r["dtype"], r["head_dim"])
+        if r.get("rel_err_vs_triton", 0.0) > MAX_REL_ERR:
+            wrong.add((key, r["backend"]))
+        by_key.setdefault(key, {}).setdefault((r["shape"], r["page"], r["kind"]), {})[r["backend"]] = r["ms"]
+    picked = {}
+    for key, cases in sorted(by_key.items()):
+        candidates = {b for times in cases.values() for b in times if (key, b) not in wrong}
+        if "triton" not in candidates or len(candidates) < 2:
+            continue
+        totals = dict.fromkeys(sorted(candidates, key=CHOICES.index), 0.0)
+        for times in cases.values():
+            if candidates <= set(times):  # only cases every candidate ran compare
+                for backend in totals:
+                    totals[backend] += times[backend]
+        picked[key] = {"backend": min(totals, key=totals.get), "total_ms": totals}
+    return picked
 
 
 def table_path(device_name: str) -> Path:
