@@ -35,9 +35,16 @@ def dev():
 
 
 def needs_wgmma(dev):
-    """The wgmma prefill tiles run on an sm_90 GPU (H100, H200) and in the emulator."""
-    if dev.type == "cuda" and torch.cuda.get_device_capability(dev) != (9, 0):
-        pytest.skip("wgmma needs an sm_90 GPU")
+    """The wgmma prefill tiles run on an sm_90 GPU (H100, H200) with a 9.0a build, and in the emulator."""
+    if dev.type == "cuda":
+        if torch.cuda.get_device_capability(dev) != (9, 0):
+            pytest.skip("wgmma needs an sm_90 GPU")
+        try:
+            cuda.paged_attention(*batch_for([20], [20], torch.bfloat16, dev).args(), impl="wgmma")
+        except ValueError as exc:
+            if "needs a build with 9.0a" not in str(exc):
+                raise
+            pytest.skip(str(exc))
 
 
 def check(batch, dtype, **kwargs):
@@ -120,7 +127,7 @@ def test_wgmma_prefill_tiles(head_dim, dtype, dev):
 def test_wgmma_refuses_what_it_cannot_run(dev):
     batch = batch_for([20], [20], torch.bfloat16, dev, d=256)
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev) != (9, 0):
-        with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+        with pytest.raises(ValueError, match="needs an sm_90 GPU|needs a build with 9.0a"):
             cuda.paged_attention(*batch_for([20], [20], torch.bfloat16, dev).args(), impl="wgmma")
     with pytest.raises(ValueError, match="the wgmma kernel takes head_dim up to 128, not 256"):
         cuda.paged_attention(*batch.args(), impl="wgmma")
