@@ -45,9 +45,6 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
   return word;
 }
 
-__device__ __forceinline__ uint32_t pack_bits(uint16_t lo, uint16_t hi) {
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
 
 // ---- device primitives -------------------------------------------------------------------------
 #ifdef MINENGINE_EMULATE
@@ -67,6 +64,9 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { emu::cp_async
 template <typename T>
 __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
   emu::mma_m16n8k16<T>(d, a, b, d);
+}
+template <bool Trans> __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) {
+  emu::ldmatrix_x4(r, row, Trans);
 }
 
 #define ME_HAS_WGMMA 1
@@ -108,6 +108,24 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 16-bit matrices from shared memory into mma fragments: lanes 8i..8i+7 give the 16-byte
+// rows of matrix i; lane l gets r[i] = its (row l / 4, columns 2 (l % 4), +1), or with Trans the
+// transpose (rows 2 (l % 4), +1 of column l / 4): a B fragment of a row-major [k][n] tile.
+template <bool Trans> __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address)
+                 : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address)
+                 : "memory");
+  }
 }
 
 // d += a * b on the tensor cores: m16n8k16, fp32 accumulation (fragment layouts: emulate.h).

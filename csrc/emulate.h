@@ -4,7 +4,7 @@
 // a block runs as blockDim fibers (ucontext) on one OS thread, switching only at barriers, so
 // every thread of a block is a real call stack with its own registers, as on the GPU. Emulated:
 // - __syncthreads() (block barrier) and the warp collectives (__shfl_xor_sync, mma.sync
-//   m16n8k16 with fp32 accumulation) with the fragment layouts of the PTX ISA;
+//   m16n8k16 with fp32 accumulation, ldmatrix x4) with the fragment layouts of the PTX ISA;
 // - cp.async: a copy is deferred until the thread waits for its group, so reading shared memory
 //   before cp_async_wait sees stale data, as it may on the GPU;
 // - Hopper's wgmma (m64n64k16, A from registers, B from shared memory through a 128B-swizzle
@@ -187,6 +187,32 @@ inline void mma_m16n8k16(float d[4], const uint32_t a[4], const uint32_t b[2], c
         }
         return 0;
       });
+}
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lanes 8i..8i+7 give the 16-byte rows of matrix
+// i; lane l receives r[i] = matrix i's (row l / 4, columns 2 (l % 4), +1), or with trans its
+// (rows 2 (l % 4), +1; column l / 4), the lower index in the lower half.
+inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
+  const Block& b = state();
+  const char* c = static_cast<const char*>(row);
+  if (c < b.smem.data() || c + 16 > b.smem.data() + b.smem.size()) {
+    throw std::runtime_error("ldmatrix from outside shared memory");
+  }
+  if ((c - b.smem.data()) % 16 != 0) throw std::runtime_error("ldmatrix row address not 16-byte aligned");
+  collective([&](LaneSlot& s) { s.word = reinterpret_cast<uintptr_t>(row); },
+             [&](LaneSlot* slots) {
+               auto element = [&](int matrix, int i, int j) {  // row i, column j of a matrix
+                 uint16_t bits;
+                 std::memcpy(&bits, reinterpret_cast<const char*>(slots[8 * matrix + i].word) + 2 * j, 2);
+                 return static_cast<uint32_t>(bits);
+               };
+               const int g = static_cast<int>(lane() / 4), t = static_cast<int>(lane() % 4);
+               for (int m = 0; m < 4; ++m) {
+                 r[m] = trans ? element(m, 2 * t, g) | (element(m, 2 * t + 1, g) << 16)
+                              : element(m, g, 2 * t) | (element(m, g, 2 * t + 1) << 16);
+               }
+               return 0;
+             });
 }
 
 inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {

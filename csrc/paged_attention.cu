@@ -5,10 +5,11 @@
 //   Rows are (query token, query head) pairs of one sequence and one KV head, token-major, so the
 //   `group` query heads that share a KV head fill the rows of a decode (GQA packing). Each warp owns
 //   16 rows; Q stays in registers as mma A fragments; K/V tiles stream through shared memory with
-//   cp.async (double-buffered where it fits), each key's page looked up in the block table, so any
-//   page size works; keys past the causal limit, the split's range or seq_len are never read (the
-//   copy zero-fills) and are masked to -inf. Online softmax in fp32 (log2 domain), P is reused from
-//   the S accumulators as the A operand of P @ V.
+//   cp.async (double-buffered where it fits) and reach B fragments by ldmatrix (.trans for V). Each
+//   key's page is looked up in the block table, so any page size works; keys past the causal limit,
+//   the split's range or seq_len are never read (the copy zero-fills) and are masked to -inf.
+//   Online softmax in fp32 (log2 domain); P is reused from the S accumulators as the A operand of
+//   P @ V.
 //   One launch holds two tile shapes, POD-style: blocks [0, prefill_blocks) run 64-row tiles (4 warps
 //   along rows sharing each 64-key tile) over sequences with more than 16 rows; the next num_seqs
 //   blocks run one 16-row tile per remaining sequence (decodes and tiny chunks), its 4 warps splitting
@@ -17,6 +18,8 @@
 //   [cu[b] * group / 64 + b, cu[b + 1] * group / 64 + b + 1), so the grid needs no device data.
 //   Split-KV (grid z > 1) gives each split a contiguous range of key tiles; partial (acc, max, sum)
 //   go to an fp32 workspace and merge_splits_kernel combines them (one more launch).
+//   The wgmma variant (impl 3, sm_90a) runs the 64-row tiles on Hopper's warpgroup MMA instead
+//   (wgmma_tile); everything else is shared.
 //
 // CUDA cores (fp32, or unaligned K/V): one block per (query token, query head), 4 warps; each warp
 // walks every 4th visible key with its lanes splitting the head dim, then the warps merge.
@@ -418,10 +421,12 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
     for (int kk = 0; kk < D / 16; ++kk) {
       if (kk * 16 >= p.head_dim) break;
 #pragma unroll
-      for (int nt = 0; nt < KW / 8; ++nt) {
-        const T* kr = kt + (nt * 8 + g) * LD + kk * 16 + 2 * t;
-        const uint32_t b[2] = {*reinterpret_cast<const uint32_t*>(kr), *reinterpret_cast<const uint32_t*>(kr + 8)};
-        mma_16816<T>(s[nt], qf[kk], b);
+      for (int nt = 0; nt < KW / 8; nt += 2) {  // one ldmatrix: B of key tiles nt and nt + 1
+        uint32_t b[4];
+        ldmatrix_x4<false>(b, kt + (nt * 8 + lane % 8 + lane / 16 * 8) * LD + kk * 16 + (lane / 8) % 2 * 8);
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_16816<T>(s[nt], qf[kk], b0);
+        mma_16816<T>(s[nt + 1], qf[kk], b1);
       }
     }
     online_softmax<KW / 8, D / 8>(p, r, stage * KEYS + wn * KW, t, s, acc, m, l);
@@ -431,13 +436,14 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
     for (int kc = 0; kc < KW / 16; ++kc) {
       uint32_t a[4];
       p_fragment<T>(s[2 * kc], s[2 * kc + 1], a);
-      const uint16_t* vr = reinterpret_cast<const uint16_t*>(vt + (kc * 16 + 2 * t) * LD + g);
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        if (dn * 8 >= p.head_dim) break;
-        const uint16_t* v0 = vr + dn * 8;
-        const uint32_t b[2] = {pack_bits(v0[0], v0[LD]), pack_bits(v0[8 * LD], v0[9 * LD])};
-        mma_16816<T>(acc[dn], a, b);
+      for (int dn = 0; dn < D / 8; dn += 2) {  // one transposing ldmatrix: B of dim tiles dn and dn + 1
+        if (dn * 8 >= p.head_dim) break;    // head_dim % 16 == 0: both or neither
+        uint32_t b[4];
+        ldmatrix_x4<true>(b, vt + (kc * 16 + lane % 16) * LD + dn * 8 + lane / 16 * 8);
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        mma_16816<T>(acc[dn], a, b0);
+        mma_16816<T>(acc[dn + 1], a, b1);
       }
     }
     __syncthreads();  // the buffer is refilled next
