@@ -199,11 +199,12 @@ inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
     throw std::runtime_error("ldmatrix from outside shared memory");
   }
   if ((c - b.smem.data()) % 16 != 0) throw std::runtime_error("ldmatrix row address not 16-byte aligned");
-  collective([&](LaneSlot& s) { s.word = reinterpret_cast<uintptr_t>(row); },
+  // Each lane's row is read when it arrives (a lane may write shared memory right after the load).
+  collective([&](LaneSlot& s) { std::memcpy(s.a, row, sizeof(s.a)); },
              [&](LaneSlot* slots) {
                auto element = [&](int matrix, int i, int j) {  // row i, column j of a matrix
                  uint16_t bits;
-                 std::memcpy(&bits, reinterpret_cast<const char*>(slots[8 * matrix + i].word) + 2 * j, 2);
+                 std::memcpy(&bits, reinterpret_cast<const char*>(slots[8 * matrix + i].a) + 2 * j, 2);
                  return static_cast<uint32_t>(bits);
                };
                const int g = static_cast<int>(lane() / 4), t = static_cast<int>(lane() % 4);
