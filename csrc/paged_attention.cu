@@ -12,10 +12,11 @@
 //   P @ V.
 //   One launch holds two tile shapes, POD-style: blocks [0, prefill_blocks) run 64-row tiles (4 warps
 //   along rows sharing each 64-key tile) over sequences with more than 16 rows; the next num_seqs
-//   blocks run one 16-row tile per remaining sequence (decodes and tiny chunks), its 4 warps splitting
-//   the keys 4 ways and merging through shared memory; the last block zeroes the padding rows past
-//   cu_seqlens_q[-1]. Prefill tiles find their sequence by binary search: sequence b owns blocks
-//   [cu[b] * group / 64 + b, cu[b + 1] * group / 64 + b + 1), so the grid needs no device data.
+//   blocks run one 16-row tile per remaining sequence (decodes and tiny chunks), its 4 warps
+//   splitting the keys 4 ways and merging through shared memory; the last block of each (KV head,
+//   split) zeroes its share of the padding rows past cu_seqlens_q[-1]. Prefill tiles find their
+//   sequence by binary search: sequence b owns blocks [cu[b] * group / 64 + b, cu[b + 1] * group / 64
+//   + b + 1), so the grid needs no device data.
 //   Split-KV (grid z > 1) gives each split a contiguous range of key tiles; partial (acc, max, sum)
 //   go to an fp32 workspace and merge_splits_kernel combines them (one more launch).
 //   The wgmma variant (impl 3, sm_90a) runs the 64-row tiles on Hopper's warpgroup MMA instead
@@ -621,12 +622,15 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const MmaParams
     if (decode_kind(p, seq)) mma_tile<T, D, 1, 4, S::kDecodeKeys, S::kDecodeStages>(p, smem, seq, 0);
     return;
   }
-  if (blockIdx.y != 0 || blockIdx.z != 0) return;  // padding rows: written once, as zeros
+  // Padding rows past cu[num_seqs] are zeros: the last block of each (KV head, split) writes its KV
+  // head's query heads of every num_splits-th padding token, so the work spreads over the grid.
   T* out = static_cast<T*>(p.out);
-  const int64_t first = p.cu[p.num_seqs], per_token = static_cast<int64_t>(p.num_q_heads) * p.head_dim;
-  for (int64_t i = threadIdx.x; i < (p.num_tokens - first) * per_token; i += kThreads) {
-    const int64_t token = first + i / per_token, h = (i % per_token) / p.head_dim, d = i % p.head_dim;
-    out[token * p.so_t + h * p.so_h + d] = from_float<T>(0.f);
+  const int64_t first = p.cu[p.num_seqs] + blockIdx.z, per_token = static_cast<int64_t>(p.group) * p.head_dim;
+  const int64_t tokens = first < p.num_tokens ? (p.num_tokens - first + p.num_splits - 1) / p.num_splits : 0;
+  for (int64_t i = threadIdx.x; i < tokens * per_token; i += kThreads) {
+    const int64_t token = first + (i / per_token) * p.num_splits;
+    const int64_t h = static_cast<int64_t>(blockIdx.y) * p.group + (i % per_token) / p.head_dim;
+    out[token * p.so_t + h * p.so_h + i % p.head_dim] = from_float<T>(0.f);
   }
 }
 
