@@ -10,8 +10,9 @@
 // - Hopper's wgmma (m64n64k16, A from registers, B from shared memory through a 128B-swizzle
 //   descriptor) as an asynchronous warpgroup operation: it runs when the warpgroup waits for its
 //   group, reading shared memory and writing the accumulators then, so touching either between
-//   issue and wait gives wrong results here too (the A registers are read at issue, unchecked). A wgmma needs a wgmma.fence since the last wait,
-//   and shared memory written by cp.async needs fence.proxy.async before a wgmma reads it;
+//   issue and wait gives wrong results here too (the A registers are read at issue, unchecked).
+//   A wgmma needs a wgmma.fence since the last wait, and shared memory written by cp.async needs
+//   fence.proxy.async before a wgmma reads it;
 // - dynamic shared memory, one buffer per block, filled with a NaN pattern before each block;
 // - the alignment rule of cp.async (source and destination aligned to the copy size).
 // A barrier that not every thread reaches (divergence, or a thread that returned early while
