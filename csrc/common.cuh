@@ -46,6 +46,30 @@ template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float 
 }
 
 
+// n / d for 0 <= n < 2^31 and a divisor 1 <= d < 2^31 fixed at launch: a multiply-high, an add and a
+// shift instead of an integer division (the round-up method of Hacker's Delight, 10-9):
+// shift = ceil(log2 d), magic = floor(2^32 (2^shift - d) / d) + 1, n / d = (mulhi(n, magic) + n) >> shift.
+struct FastDiv {
+  uint32_t divisor = 1, magic = 1, shift = 0;
+  FastDiv() = default;
+  FastDiv(int64_t d, const char* what) {
+    if (d < 1 || d > INT32_MAX) {
+      throw std::invalid_argument(std::string(what) + " " + std::to_string(d) + "; allowed: 1 to 2147483647");
+    }
+    divisor = static_cast<uint32_t>(d);
+    while ((uint64_t{1} << shift) < divisor) ++shift;
+    magic = static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift) - divisor) / divisor + 1);
+  }
+  __device__ __forceinline__ int div(int n) const {
+#ifdef MINENGINE_EMULATE
+    const uint32_t hi = static_cast<uint32_t>((static_cast<uint64_t>(static_cast<uint32_t>(n)) * magic) >> 32);
+#else
+    const uint32_t hi = __umulhi(static_cast<uint32_t>(n), magic);
+#endif
+    return static_cast<int>((hi + static_cast<uint32_t>(n)) >> shift);
+  }
+};
+
 // ---- device primitives -------------------------------------------------------------------------
 #ifdef MINENGINE_EMULATE
 
@@ -76,9 +100,9 @@ __device__ __forceinline__ void fence_proxy_async() { emu::fence_proxy_async(); 
 __device__ __forceinline__ void wgmma_fence() { emu::wgmma_fence(); }
 __device__ __forceinline__ void wgmma_commit() { emu::wgmma_commit(); }
 template <int N> __device__ __forceinline__ void wgmma_wait() { emu::wgmma_wait(N); }
-template <typename T, int TransB>
-__device__ __forceinline__ void wgmma_m64n64k16(float d[32], const uint32_t a[4], uint64_t desc_b) {
-  emu::wgmma_m64n64k16<T>(d, a, desc_b, TransB);
+template <typename T, int N, int TransB, bool Accumulate>
+__device__ __forceinline__ void wgmma_m64k16(float d[N / 2], const uint32_t a[4], uint64_t desc_b) {
+  emu::wgmma_m64k16<T>(d, a, desc_b, N, TransB, Accumulate);
 }
 
 #else
@@ -200,36 +224,60 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
-// d[64 x 64] += a[64 x 16] * b[16 x 64] for one warpgroup (4 warps): A from registers (each warp 16
-// rows, the mma.sync m16n8k16 A layout), B from shared memory through a descriptor (TransB 0:
-// K-major, 1: N-major), D in the m16n8 accumulator layout repeated over 8 column blocks:
-// d[4 * j + i] = row (warp * 16 + g + 8 * (i >= 2)), column 8 * j + 2 * t + (i & 1).
+// d[64 x N] = a[64 x 16] * b[16 x N] (+ d when Accumulate) for one warpgroup (4 warps), N = 64 or
+// 128: A from registers (each warp 16 rows, the mma.sync m16n8k16 A layout), B from shared memory
+// through a descriptor (TransB 0: K-major, 1: N-major), D in the m16n8 accumulator layout repeated
+// over N / 8 column blocks: d[4 * j + i] = row (warp * 16 + g + 8 * (i >= 2)), column
+// 8 j + 2 t + (i & 1).
+// Accumulate false (scale-d 0) ignores d's old values, so a fresh product needs no zero fill.
 #if ME_HAS_WGMMA
-#define ME_WGMMA_M64N64K16(TYPE, TRANS)                                                                        \
-  asm volatile(                                                                                                \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                              \
-      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,"   \
-      "%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, %37;\n"                                          \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
-        "+f"(d[30]), "+f"(d[31])                                                                              \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS))
+#define ME_ACC8(i)                                                                                \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),         \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define ME_WGMMA_N64(TYPE)                                                                           \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                    \
+      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                     \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"                            \
+      " {%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n"                                                  \
+      : ME_ACC8(0), ME_ACC8(8), ME_ACC8(16), ME_ACC8(24)                                             \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(int(Accumulate)), "n"(TransB))
+#define ME_WGMMA_N128(TYPE)                                                                          \
+  asm volatile(                                                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                                   \
+      " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                     \
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                             \
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                             \
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63},"                            \
+      " {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"                                                  \
+      : ME_ACC8(0), ME_ACC8(8), ME_ACC8(16), ME_ACC8(24), ME_ACC8(32), ME_ACC8(40), ME_ACC8(48),     \
+        ME_ACC8(56)                                                                                  \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(int(Accumulate)), "n"(TransB))
 #else
-#define ME_WGMMA_M64N64K16(TYPE, TRANS) __trap()
+#define ME_WGMMA_N64(TYPE) __trap()
+#define ME_WGMMA_N128(TYPE) __trap()
 #endif
 
-template <typename T, int TransB>
-__device__ __forceinline__ void wgmma_m64n64k16(float d[32], const uint32_t a[4], uint64_t desc_b) {
+template <typename T, int N, int TransB, bool Accumulate>
+__device__ __forceinline__ void wgmma_m64k16(float d[N / 2], const uint32_t a[4], uint64_t desc_b) {
   static_assert(std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value, "wgmma takes fp16 or bf16");
-  if constexpr (std::is_same<T, __half>::value) {
-    ME_WGMMA_M64N64K16("f16", TransB);
+  static_assert(N == 64 || N == 128, "wgmma N: 64 or 128");
+  constexpr bool bf16 = std::is_same<T, __nv_bfloat16>::value;
+  if constexpr (N == 64 && bf16) {
+    ME_WGMMA_N64("bf16");
+  } else if constexpr (N == 64) {
+    ME_WGMMA_N64("f16");
+  } else if constexpr (bf16) {
+    ME_WGMMA_N128("bf16");
   } else {
-    ME_WGMMA_M64N64K16("bf16", TransB);
+    ME_WGMMA_N128("f16");
   }
 }
-#undef ME_WGMMA_M64N64K16
+#undef ME_WGMMA_N64
+#undef ME_WGMMA_N128
+#undef ME_ACC8
 
 #endif
 

@@ -7,10 +7,11 @@
 //   m16n8k16 with fp32 accumulation, ldmatrix x4) with the fragment layouts of the PTX ISA;
 // - cp.async: a copy is deferred until the thread waits for its group, so reading shared memory
 //   before cp_async_wait sees stale data, as it may on the GPU;
-// - Hopper's wgmma (m64n64k16, A from registers, B from shared memory through a 128B-swizzle
-//   descriptor) as an asynchronous warpgroup operation: it runs when the warpgroup waits for its
-//   group, reading shared memory and writing the accumulators then, so touching either between
-//   issue and wait gives wrong results here too (the A registers are read at issue, unchecked).
+// - Hopper's wgmma (m64nNk16 with N = 64 or 128, A from registers, B from shared memory through a
+//   128B-swizzle descriptor, scale-d 0 or 1) as an asynchronous warpgroup operation: it runs when
+//   the warpgroup waits for its group, reading shared memory and writing the accumulators then, so
+//   touching either between issue and wait gives wrong results here too (the A registers are read
+//   at issue, unchecked).
 //   A wgmma needs a wgmma.fence since the last wait, and shared memory written by cp.async needs
 //   fence.proxy.async before a wgmma reads it;
 // - dynamic shared memory, one buffer per block, filled with a NaN pattern before each block;
@@ -51,7 +52,7 @@ struct WgmmaOp {
   float* d;
   uint32_t a[4];
   uint64_t desc;
-  int trans_b, bf16;
+  int n, trans_b, bf16, accumulate;
 };
 
 struct Fiber {
@@ -267,7 +268,7 @@ inline Fiber* warpgroup_fibers() {
 }
 
 template <typename T>
-inline void wgmma_m64n64k16(float d[32], const uint32_t a[4], uint64_t desc, int trans_b) {
+inline void wgmma_m64k16(float* d, const uint32_t a[4], uint64_t desc, int n, int trans_b, bool accumulate) {
   Block& b = state();
   Fiber* f = b.current;
   if (b.block.x * b.block.y * b.block.z % 128 != 0) throw std::runtime_error("wgmma in a block of partial warpgroups");
@@ -278,7 +279,9 @@ inline void wgmma_m64n64k16(float d[32], const uint32_t a[4], uint64_t desc, int
       throw std::runtime_error("wgmma reads shared memory written by cp.async without fence.proxy.async");
     }
   }
-  WgmmaOp op{d, {a[0], a[1], a[2], a[3]}, desc, trans_b, std::is_same<T, __nv_bfloat16>::value ? 1 : 0};
+  if (n != 64 && n != 128) throw std::runtime_error("emulated wgmma takes N = 64 or 128");
+  WgmmaOp op{d, {a[0], a[1], a[2], a[3]}, desc, n, trans_b, std::is_same<T, __nv_bfloat16>::value ? 1 : 0,
+             accumulate ? 1 : 0};
   f->wg_open.push_back(op);
 }
 
@@ -288,7 +291,8 @@ inline void wgmma_commit() {
   f->wg_open.clear();
 }
 
-// One wgmma over the 128 threads' parts: D = D + A * B, B read through the descriptor now.
+// One wgmma over the 128 threads' parts: D = A * B (+ D when it accumulates), B read through the
+// descriptor now.
 inline void wgmma_execute(Fiber* group, size_t index) {
   const Block& b = state();
   const WgmmaOp& first = group[0].wg_groups.front()[index];
@@ -307,9 +311,10 @@ inline void wgmma_execute(Fiber* group, size_t index) {
     std::memcpy(&bits, b.smem.data() + (address - kSharedBase), sizeof(bits));
     return bf16 ? half_of<__nv_bfloat16>(bits, 0) : half_of<__half>(bits, 0);
   };
-  float B[16][64];
+  const int N = first.n;
+  float B[16][128];
   for (int k = 0; k < 16; ++k) {
-    for (int n = 0; n < 64; ++n) {
+    for (int n = 0; n < N; ++n) {
       const uint32_t address =
           first.trans_b
               ? start + (n / 64) * leading + (n % 64) * 2 + (k / 8) * stride + (k % 8) * 128  // N-major
@@ -322,17 +327,19 @@ inline void wgmma_execute(Fiber* group, size_t index) {
     float A[16];
     for (int k = 0; k < 16; ++k) {
       const WgmmaOp& op = group[w * 32 + (r % 8) * 4 + (k % 8) / 2].wg_groups.front()[index];
-      if (op.desc != desc || op.trans_b != first.trans_b || op.bf16 != first.bf16) {
+      if (op.desc != desc || op.n != N || op.trans_b != first.trans_b || op.bf16 != first.bf16 ||
+          op.accumulate != first.accumulate) {
         throw std::runtime_error("the threads of a warpgroup issued different wgmma operations");
       }
       const uint32_t word = op.a[(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)];
       A[k] = first.bf16 ? half_of<__nv_bfloat16>(word, k % 2) : half_of<__half>(word, k % 2);
     }
-    for (int n = 0; n < 64; ++n) {
+    for (int n = 0; n < N; ++n) {
       float sum = 0.f;
       for (int k = 0; k < 16; ++k) sum += A[k] * B[k][n];
       const WgmmaOp& out = group[w * 32 + (r % 8) * 4 + (n % 8) / 2].wg_groups.front()[index];
-      out.d[4 * (n / 8) + (r >= 8 ? 2 : 0) + (n % 2)] += sum;
+      float& d = out.d[4 * (n / 8) + (r >= 8 ? 2 : 0) + (n % 2)];
+      d = first.accumulate ? d + sum : sum;
     }
   }
 }

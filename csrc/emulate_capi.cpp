@@ -3,6 +3,7 @@
 #include <cstring>
 #include <exception>
 
+#include "common.cuh"
 #include "kernels.h"
 
 namespace {
@@ -40,6 +41,16 @@ int me_store_kv(const minengine::StoreKVArgs* args, char* error, int error_len) 
 
 int me_gather_input_ids(const minengine::GatherArgs* args, char* error, int error_len) {
   return guarded([&] { minengine::gather_input_ids(*args); }, error, error_len);
+}
+
+// q[i] = n[i] / divisor through the kernels' FastDiv (its test: every divisor, any n < 2^31).
+int me_fast_div(int64_t divisor, const int32_t* n, int32_t* q, int64_t count, char* error, int error_len) {
+  return guarded(
+      [&] {
+        const minengine::FastDiv div(divisor, "divisor");
+        for (int64_t i = 0; i < count; ++i) q[i] = div.div(n[i]);
+      },
+      error, error_len);
 }
 
 }  // extern "C"

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_simt_kernel(const T* __restrict__ q, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                           T* __restrict__ out, const int32_t* __restrict__ block_tables,
                           const int32_t* __restrict__ seq_lens, const int32_t* __restrict__ cu_seqlens_q, int num_seqs,
-                          int group, int head_dim, int page_size, int64_t sq_t, int64_t sq_h, int64_t sk_p,
+                          int group, int head_dim, FastDiv page_size, int64_t sq_t, int64_t sq_h, int64_t sk_p,
                           int64_t sk_s, int64_t sk_h, int64_t sv_p, int64_t sv_s, int64_t sv_h, int64_t so_t,
                           int64_t so_h, int64_t sbt, float scale) {
   ME_DYNAMIC_SMEM(smem);
@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(kThreads)
   float m = -INFINITY, l = 0.f;
   const int32_t* table = block_tables + static_cast<int64_t>(seq) * sbt;
   for (int j = warp; j < kv_end; j += kSimtWarps) {
-    const int64_t page = table[j / page_size];
-    const int64_t slot = j % page_size;
+    const int index = page_size.div(j);
+    const int64_t page = table[index], slot = j - index * static_cast<int>(page_size.divisor);
     const T* kp = k_cache + page * sk_p + slot * sk_s + static_cast<int64_t>(kv_head) * sk_h;
     const T* vp = v_cache + page * sv_p + slot * sv_s + static_cast<int64_t>(kv_head) * sv_h;
     float s = 0.f;
@@ -156,7 +156,8 @@ struct MmaParams {
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* cu;
-  int num_seqs, num_tokens, num_q_heads, group, head_dim, page_size, num_splits, prefill_blocks;
+  int num_seqs, num_tokens, num_q_heads, group, head_dim, num_splits, prefill_blocks;
+  FastDiv page;  // page_size
   int64_t sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, so_t, so_h, sbt;
   float scale_log2;  // softmax_scale * log2(e)
 };
@@ -248,26 +249,32 @@ __device__ __forceinline__ void start_tile(const MmaParams& p, const TileRows& r
 }
 
 // K/V rows [stage * KEYS, + KEYS) into shared memory, the 16-byte chunk (row, c) at element offset
-// place(row, c) of ks and vs. Each key's page comes from the block table; keys at or past key_hi
-// are zero-filled without a read; chunks past head_dim are skipped (ZERO_PAD false: never read
-// back) or zero-filled (ZERO_PAD true: read by whole 64-dim wgmma operands).
+// place(row, c) of ks and vs. Thread i copies chunk i % CHUNKS of rows i / CHUNKS + j * ROWS,
+// unrolled so that its page lookups are independent loads in flight together. Keys at or past key_hi
+// are zero-filled without a read; chunks past head_dim are skipped (ZERO_PAD false: never read back)
+// or zero-filled (ZERO_PAD true: read by whole 64-dim wgmma operands).
 template <typename T, int D, int KEYS, bool ZERO_PAD, typename Place>
 __device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int32_t* table, int stage, int key_hi, T* ks,
                                               T* vs, Place place) {
-  constexpr int CHUNKS = D / 8;
-  const int kv_head = blockIdx.y;
-  const T* k_base = static_cast<const T*>(p.k_cache);
-  const T* v_base = static_cast<const T*>(p.v_cache);
-  for (int i = threadIdx.x; i < KEYS * CHUNKS; i += kThreads) {
-    const int row = i / CHUNKS, c = i % CHUNKS, key = stage * KEYS + row;
-    if (!ZERO_PAD && c * 8 >= p.head_dim) continue;
-    const T* ksrc = k_base;
-    const T* vsrc = v_base;
-    const bool live = key < key_hi && c * 8 < p.head_dim;
+  constexpr int CHUNKS = D / 8, ROWS = kThreads / CHUNKS;
+  static_assert(kThreads % CHUNKS == 0 && KEYS % ROWS == 0, "whole rows per pass, whole passes per stage");
+  const int c = threadIdx.x % CHUNKS, row0 = threadIdx.x / CHUNKS;
+  const bool in_dim = c * 8 < p.head_dim;
+  if (!ZERO_PAD && !in_dim) return;
+  const int64_t kv_head = blockIdx.y;
+  const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * p.sk_h + c * 8;
+  const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * p.sv_h + c * 8;
+#pragma unroll 4  // 4 page lookups in flight; 8 cost the wgmma tile 4 registers
+  for (int j = 0; j < KEYS / ROWS; ++j) {
+    const int row = row0 + j * ROWS, key = stage * KEYS + row;
+    const bool live = in_dim && key < key_hi;
+    const T* ksrc = k_head;
+    const T* vsrc = v_head;
     if (live) {
-      const int64_t page = table[key / p.page_size], slot = key % p.page_size;
-      ksrc = k_base + page * p.sk_p + slot * p.sk_s + kv_head * p.sk_h + c * 8;
-      vsrc = v_base + page * p.sv_p + slot * p.sv_s + kv_head * p.sv_h + c * 8;
+      const int index = p.page.div(key);
+      const int64_t page = table[index], slot = key - index * static_cast<int>(p.page.divisor);
+      ksrc = k_head + page * p.sk_p + slot * p.sk_s;
+      vsrc = v_head + page * p.sv_p + slot * p.sv_s;
     }
     const int at = place(row, c);
     cp_async_16(ks + at, ksrc, live ? 16 : 0);
@@ -514,8 +521,8 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
 // K/V stages are stored as [D / 64][KEYS][64] with 128-byte rows whose 16-byte chunks are XORed
 // with the row index (the 128B-swizzle layout), which makes them wgmma B operands: K-major for
 // S = Q K^T (K rows), N-major (transposed) for O += P V. Q and P stay in registers as A operands;
-// each stage issues D / 16 wgmmas for S and 4 x D / 64 for P V, waiting for each group before the
-// softmax reads S or the next stage rescales O.
+// each stage issues D / 16 wgmmas of N = 64 keys for S and 4 of N = D dims for P V, waiting for each
+// group before the softmax reads S or the next stage rescales O.
 template <typename T, int D>
 __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int seq, int tile) {
   constexpr int KEYS = kWgmmaKeys, STAGES = kWgmmaStages;
@@ -547,26 +554,26 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int s
     fence_proxy_async();  // the landed copies, to the async proxy wgmma reads through
     __syncthreads();
 
-    // S = Q K^T: k-step kk reads dims [16 kk, 16 kk + 16) of all 64 keys (32 bytes into the atom row).
+    // S = Q K^T: k-step kk reads dims [16 kk, 16 kk + 16) of all 64 keys (32 bytes into the atom row);
+    // the first overwrites S (scale-d 0), so S needs no zero fill.
     float s[KEYS / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < KEYS / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
     const uint32_t k_stage = k_address + buf * STAGE_BYTES, v_stage = v_address + buf * STAGE_BYTES;
-    fence_registers<KEYS / 2>(&s[0][0]);  // the zeros are written before the fence
+    auto k_desc = [&](int kk) { return sw128_descriptor(k_stage + (kk / 4) * ATOMS + (kk % 4) * 32, 16, 1024); };
     fence_registers<D / 4>(&qf[0][0]);
     wgmma_fence();
+    wgmma_m64k16<T, KEYS, 0, false>(&s[0][0], qf[0], k_desc(0));
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {  // dims past head_dim are zeros in Q and K
-      const uint64_t desc = sw128_descriptor(k_stage + (kk / 4) * ATOMS + (kk % 4) * 32, 16, 1024);
-      wgmma_m64n64k16<T, 0>(&s[0][0], qf[kk], desc);
+    for (int kk = 1; kk < D / 16; ++kk) {  // dims past head_dim are zeros in Q and K
+      wgmma_m64k16<T, KEYS, 0, true>(&s[0][0], qf[kk], k_desc(kk));
     }
     wgmma_commit();
     wgmma_wait<0>();
-    fence_registers<KEYS / 2>(&s[0][0]);  // and read after the wait
+    fence_registers<KEYS / 2>(&s[0][0]);  // S is read only after the wait
     online_softmax<KEYS / 8, D / 8>(p, r, stage * KEYS, t, s, acc, m, l);
 
-    // O += P V: k-step kc reads keys [16 kc, 16 kc + 16), N-major, one wgmma per 64 dims. All of P
-    // is packed first: registers written between the wgmmas of a group would make ptxas serialize.
+    // O += P V: k-step kc reads keys [16 kc, 16 kc + 16) of all D dims, N-major: 64-dim atoms LBO
+    // apart, 8-key row groups SBO apart. All of P is packed first: registers written between the
+    // wgmmas of a group would make ptxas serialize.
     uint32_t pf[KEYS / 16][4];
 #pragma unroll
     for (int kc = 0; kc < KEYS / 16; ++kc) p_fragment<T>(s[2 * kc], s[2 * kc + 1], pf[kc]);
@@ -575,11 +582,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int s
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < KEYS / 16; ++kc) {
-#pragma unroll
-      for (int c = 0; c < D / 64; ++c) {
-        const uint64_t desc = sw128_descriptor(v_stage + c * ATOMS + kc * 16 * 128, ATOMS, 1024);
-        wgmma_m64n64k16<T, 1>(&acc[c * 8][0], pf[kc], desc);
-      }
+      wgmma_m64k16<T, D, 1, true>(&acc[0][0], pf[kc], sw128_descriptor(v_stage + kc * 16 * 128, ATOMS, 1024));
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -713,7 +716,7 @@ int attention_impl(const PagedAttentionArgs& a) {
 
 namespace {
 
-void launch_simt(const PagedAttentionArgs& a, cudaStream_t stream) {
+void launch_simt(const PagedAttentionArgs& a, const FastDiv& page, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_tokens), static_cast<unsigned>(a.num_q_heads));
   const int group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
   dispatch_float(a.dtype, [&](auto* tag) {
@@ -723,7 +726,7 @@ void launch_simt(const PagedAttentionArgs& a, cudaStream_t stream) {
               reinterpret_cast<const T*>(a.k_cache), reinterpret_cast<const T*>(a.v_cache), reinterpret_cast<T*>(a.out),
               reinterpret_cast<const int32_t*>(a.block_tables), reinterpret_cast<const int32_t*>(a.seq_lens),
               reinterpret_cast<const int32_t*>(a.cu_seqlens_q), static_cast<int>(a.num_seqs), group,
-              static_cast<int>(a.head_dim), static_cast<int>(a.page_size), a.sq_t, a.sq_h, a.sk_p, a.sk_s, a.sk_h,
+              static_cast<int>(a.head_dim), page, a.sq_t, a.sq_h, a.sk_p, a.sk_s, a.sk_h,
               a.sv_p, a.sv_s, a.sv_h, a.so_t, a.so_h, a.sbt, static_cast<float>(a.softmax_scale));
   });
   check_launch("paged_attention (CUDA cores)");
@@ -772,10 +775,11 @@ void paged_attention(const PagedAttentionArgs& a) {
   if (a.num_splits < 1 || a.num_splits > 65535) {
     throw std::invalid_argument("num_splits " + std::to_string(a.num_splits) + "; allowed: 1 to 65535");
   }
+  const FastDiv page(a.page_size, "page_size");
   auto stream = reinterpret_cast<cudaStream_t>(a.stream);
   const int impl = attention_impl(a);
   if (impl == kAttentionSimt) {  // no split path: num_splits is ignored
-    launch_simt(a, stream);
+    launch_simt(a, page, stream);
     return;
   }
   const bool wgmma = impl == kAttentionWgmma;
@@ -799,7 +803,7 @@ void paged_attention(const PagedAttentionArgs& a) {
   p.num_q_heads = static_cast<int>(a.num_q_heads);
   p.group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
   p.head_dim = static_cast<int>(a.head_dim);
-  p.page_size = static_cast<int>(a.page_size);
+  p.page = page;
   p.num_splits = static_cast<int>(a.num_splits);
   // Prefill tiles only when some sequence may have more than 16 rows (max_seqlen_q is a host bound).
   p.prefill_blocks = a.num_seqs > 0 && a.max_seqlen_q * p.group > 16

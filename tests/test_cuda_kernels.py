@@ -168,3 +168,40 @@ def test_bad_arguments_name_the_value(dev):
     fp32 = batch_for([1], [4], torch.float32, dev)
     with pytest.raises(ValueError, match="tensor-core kernel takes fp16 or bf16"):
         cuda.paged_attention(*fp32.args(), impl="mma")
+
+
+def test_fast_div_matches_integer_division():
+    """The kernels find a key's page with a multiply-high instead of a division (FastDiv): exact for
+    every divisor from 1 to 2^31 - 1 and every key from 0 to 2^31 - 1, including the values next to
+    multiples of the divisor and the top of the range."""
+    import numpy as np
+
+    from minengine.ops import cuda_emulator
+
+    reason = cuda_emulator.unavailable_reason()
+    if reason:
+        pytest.skip(f"the CUDA kernel emulator cannot be built: {reason}")
+    rng = np.random.default_rng()
+    top = 2**31 - 1
+    divisors = list(range(1, 300)) + [2**k + e for k in range(9, 31) for e in (-1, 0, 1)] + [top]
+    divisors += rng.integers(1, top, size=200, endpoint=True).tolist()
+    for d in divisors:
+        multiples = np.array([d * m for m in (1, 2, 3, top // d - 1, top // d) if 0 < d * m <= top], dtype=np.int64)
+        n = np.concatenate(
+            [
+                np.arange(0, min(d * 3, 4096), dtype=np.int64),
+                multiples - 1,
+                multiples,
+                np.minimum(multiples + 1, top),
+                np.array([top, top - 1, top - d + 1]),
+                rng.integers(0, top, size=2000, endpoint=True),
+            ]
+        )
+        n = n[(n >= 0) & (n <= top)]
+        q = cuda_emulator.fast_div(d, n.astype(np.int32))
+        expected = n // d
+        bad = np.flatnonzero(q != expected)
+        assert bad.size == 0, f"divisor {d}: n {n[bad[0]]} gave {q[bad[0]]}, expected {expected[bad[0]]}"
+    for d in (0, -3, 2**31):
+        with pytest.raises(ValueError, match=rf"divisor {d}; allowed: 1 to 2147483647"):
+            cuda_emulator.fast_div(d, np.zeros(1, dtype=np.int32))

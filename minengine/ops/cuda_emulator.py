@@ -9,7 +9,8 @@ without a GPU. It says nothing about speed, and blocks run one after another, so
 blocks are out of its reach. Tests only: slow (a fiber switch per barrier).
 
 The module mirrors ``minengine._C``: ``paged_attention``, ``attention_impl``, ``store_kv`` and
-``gather_input_ids`` take the same keyword arguments, with host pointers.
+``gather_input_ids`` take the same keyword arguments, with host pointers. ``fast_div`` runs the
+kernels' page divider (``FastDiv``) for its exhaustive-range test.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("paged_attention.cu", "store_kv.cu", "gather_input_ids.cu", "emulate_capi.cpp")
@@ -121,6 +124,8 @@ def _library() -> ctypes.CDLL:
     ):
         getattr(dll, fn).argtypes = [ctypes.POINTER(struct), ctypes.c_char_p, ctypes.c_int]
         getattr(dll, fn).restype = ctypes.c_int
+    dll.me_fast_div.argtypes = [_I64, ctypes.c_void_p, ctypes.c_void_p, _I64, ctypes.c_char_p, ctypes.c_int]
+    dll.me_fast_div.restype = ctypes.c_int
     return dll
 
 
@@ -151,3 +156,13 @@ def store_kv(**kwargs) -> None:
 
 def gather_input_ids(**kwargs) -> None:
     _call("me_gather_input_ids", GatherArgs, kwargs)
+
+
+def fast_div(divisor: int, n: np.ndarray) -> np.ndarray:
+    """n // divisor through the kernels' FastDiv (page lookups), for its test; n: int32, >= 0."""
+    n = np.ascontiguousarray(n, dtype=np.int32)
+    q = np.empty_like(n)
+    error = ctypes.create_string_buffer(1024)
+    if _library().me_fast_div(divisor, n.ctypes.data, q.ctypes.data, n.size, error, len(error)):
+        raise ValueError(error.value.decode(errors="replace"))
+    return q
