@@ -2,11 +2,18 @@
 # Everything that needs a GPU, in phases that each fit one 10-minute device call, results packed
 # into one archive (the device tool returns at most 8 files):
 #
-#   bash benchmarks/gpu_session.sh tests      # build minengine._C, pytest -m gpu, memcheck
+#   bash benchmarks/gpu_session.sh tests      # build minengine._C, pytest -m gpu, the CUDA kernel tests, memcheck
 #   bash benchmarks/gpu_session.sh kernels    # bench_attention (core + full grid, auto's tuning table), ncu
 #   bash benchmarks/gpu_session.sh engine     # bench_decode (roofline, idle), bench_offline
-#   bash benchmarks/gpu_session.sh serving    # run_ablations.sh (chunk budget, delayer, overlap)
+#   bash benchmarks/gpu_session.sh serving [GROUP...]  # run_ablations.sh groups, default: backends overlap chunk delayer
 #   bash benchmarks/gpu_session.sh disagg     # bench_disagg.py (router, decode radix cache off/on)
+#
+# Each phase runs its steps in order of importance within GPU_PHASE_SECONDS (default 560: the device
+# tool stops a call at 600 s, or sooner when less device time is left, so set it from `status`).
+# A step gets what is left of that budget and is stopped (with its child processes) when it runs
+# out; a step that would start with under 30 s left is skipped. The archive is rewritten after every
+# step, so a phase cut short still returns what it finished, and logs/steps.txt says what ran, for
+# how long, and what was stopped or skipped.
 #
 # The GPU machine is offline: carry wheels in .whl/ (see the device README) for what its image
 # lacks: pybind11 and ninja (to build _C), openai and httpx (server tests), nvidia-ml-py (clocks),
@@ -15,9 +22,37 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASE=${1:?phase: tests | kernels | engine | serving | disagg}
+shift
 DEST=${OUT:-benchmarks/results}
+BUDGET=${GPU_PHASE_SECONDS:-560}
+START=$SECONDS
 WORK=$(mktemp -d)
 mkdir -p "$DEST" "$WORK/results" "$WORK/logs"
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+pack() { tar czf "$DEST/gpu_${PHASE}.tgz" -C "$WORK" results logs; }
+
+# step NAME CMD...: CMD with the rest of the budget, output to logs/NAME.log (its tail echoed).
+step() {
+  local name=$1 budget begin rc
+  shift
+  budget=$(left)
+  if [ "$budget" -lt 30 ]; then
+    echo "$name: skipped, ${budget} s of the phase budget left" | tee -a "$WORK/logs/steps.txt"
+    return 0
+  fi
+  echo "== $name (at most ${budget} s): $*"
+  begin=$SECONDS
+  timeout -k 10 "$budget" "$@" > "$WORK/logs/$name.log" 2>&1  # timeout signals the whole process group
+  rc=$?
+  local verdict="exit $rc"
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict="STOPPED at the phase budget"
+  echo "$name: $verdict after $((SECONDS - begin)) s" | tee -a "$WORK/logs/steps.txt"
+  tail -n 15 "$WORK/logs/$name.log"
+  pack
+  return 0
+}
+
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -25,32 +60,39 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,driver_version --format=csv > "$WORK/logs/gpu.csv"
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$WORK/logs/gpu.csv"
-python3 setup.py build_ext --inplace > "$WORK/logs/build.log" 2>&1 || echo "build of minengine._C failed (see build.log)"
+step build python3 setup.py build_ext --inplace
 
 case $PHASE in
   tests)
-    python3 -m pytest -q -m gpu tests 2>&1 | tee "$WORK/logs/pytest_gpu.log" | tail -20
-    python3 -m pytest -q tests/test_cuda_kernels.py 2>&1 | tee "$WORK/logs/pytest_cuda_kernels.log" | tail -5
-    bash profiles/memcheck.sh > "$WORK/logs/memcheck.log" 2>&1; echo "memcheck exit $?"
+    step pytest_gpu python3 -m pytest -q -m gpu tests
+    step pytest_cuda_kernels python3 -m pytest -q tests/test_cuda_kernels.py
+    step memcheck bash profiles/memcheck.sh
     ;;
   kernels)
-    python3 benchmarks/bench_attention.py --suite full --write-tuning --out "$WORK/results" 2>&1 | tail -40
-    cp minengine/ops/tuning/*.json "$WORK/results/" 2>/dev/null  # commit it back to minengine/ops/tuning/
-    bash profiles/ncu_kernels.sh > "$WORK/logs/ncu.log" 2>&1 && cp profiles/out/ncu_*.txt "$WORK/logs/"
+    # the grid stops starting configs 90 s before the step's end, so the report and the tuning
+    # table (commit it to minengine/ops/tuning/) are written from what it measured
+    step bench_attention python3 benchmarks/bench_attention.py --suite full --write-tuning \
+      --time-budget $(($(left) - 90)) --out "$WORK/results"
+    cp minengine/ops/tuning/*.json "$WORK/results/" 2>/dev/null
+    pack
+    step ncu bash profiles/ncu_kernels.sh
+    cp profiles/out/ncu_*.txt "$WORK/logs/" 2>/dev/null
     ;;
   engine)
-    python3 benchmarks/bench_decode.py --out "$WORK/results" 2>&1 | tail -20
-    python3 benchmarks/bench_offline.py --out "$WORK/results" 2>&1 | tail -12
+    step bench_decode python3 benchmarks/bench_decode.py --out "$WORK/results"
+    step bench_offline python3 benchmarks/bench_offline.py --out "$WORK/results"
     ;;
   serving)
-    bash benchmarks/run_ablations.sh > "$WORK/logs/ablations.log" 2>&1
-    cp benchmarks/results/serving_* "$WORK/results/" 2>/dev/null
+    [ $# -eq 0 ] && set -- backends overlap chunk delayer
+    for group in "$@"; do
+      step "ablations_$group" env RESULTS_DIR="$WORK/results" bash benchmarks/run_ablations.sh "$group"
+    done
     ;;
   disagg)
-    python3 -m pytest -q -m gpu tests/test_disagg.py 2>&1 | tee "$WORK/logs/pytest_disagg.log" | tail -5
-    python3 benchmarks/bench_disagg.py --out "$WORK/results" 2>&1 | tail -12
+    step pytest_disagg python3 -m pytest -q -m gpu tests/test_disagg.py
+    step bench_disagg python3 benchmarks/bench_disagg.py --out "$WORK/results"
     ;;
-  *) echo "unknown phase $PHASE"; exit 2 ;;
+  *) echo "unknown phase $PHASE; allowed: tests kernels engine serving disagg"; exit 2 ;;
 esac
-tar czf "$DEST/gpu_${PHASE}.tgz" -C "$WORK" results logs
-echo "packed $DEST/gpu_${PHASE}.tgz"
+pack
+echo "packed $DEST/gpu_${PHASE}.tgz ($(($SECONDS - START)) s)"

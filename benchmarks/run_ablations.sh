@@ -1,43 +1,83 @@
 #!/usr/bin/env bash
-# Serving ablations (issue: the engine at hardware speed), each on a fresh server with one flag
-# changed, measured by bench_serving.py on the same model. GPU machine; results land in
-# benchmarks/results/serving_<dataset>_<tag>.{json,md,png}.
+# Serving ablations (issue: the engine at hardware speed) and our kernels against FlashInfer inside
+# the engine (issue: csrc), each on a fresh server with one flag changed, measured by
+# bench_serving.py on the same workload. GPU machine; results land in $RESULTS_DIR (default
+# benchmarks/results/) as serving_<dataset>_<tag>.{json,md,png}.
 #
-#   bash benchmarks/run_ablations.sh [MODEL_DIR_OR_SHAPE]     (default: a Llama-3-8B-shaped dummy)
-set -euo pipefail
+#   bash benchmarks/run_ablations.sh [GROUP...]     groups, run in the order given (default: all four):
+#     backends  --attention-backend triton / cuda / flashinfer, all eager (--disable-cuda-graph: the
+#               flashinfer adapter plans on the host per call, so it cannot be captured; eager for all
+#               three keeps the attention kernel the only difference)
+#     overlap   overlap scheduling on / off
+#     chunk     chunked-prefill budget 512 / 2048 / 16384 (off-equivalent) on long and short prompts
+#     delayer   prefill delayer off / on, dp-size 1, bursty arrivals
+#   MODEL=<checkpoint dir> bash benchmarks/run_ablations.sh ...   (default: a Llama-3-8B-shaped dummy)
+#
+# A server that fails to start (e.g. flashinfer not importable) is logged and its run skipped; the
+# other runs go on. The script exits non-zero when any run failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-MODEL=${1:-}
-PORT=30077
+RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
+PORT=${PORT:-30077}
+MODEL=${MODEL:-}
+LOAD=""
 if [ -z "$MODEL" ]; then  # a config-only directory: random bf16 weights (--load-format dummy)
   MODEL=$(python - <<'PY'
-import json, tempfile, pathlib, sys
+import pathlib, sys, tempfile
 sys.path.insert(0, "benchmarks")
 from bench_offline import model_dir
 print(model_dir("llama3-8b", pathlib.Path(tempfile.mkdtemp()))[0])
 PY
-)
+) || exit 1
   LOAD="--load-format dummy"
-else
-  LOAD=""
 fi
 SERVE="python -m minengine.serve --model $MODEL $LOAD --port $PORT --log-level warning --context-length 16384"
 BENCH="python benchmarks/bench_serving.py --base-url http://127.0.0.1:$PORT --tokenizer $MODEL --plot --no-progress"
+BENCH="$BENCH --out $RESULTS_DIR"
+FAILED=0
 
 run() {  # run TAG "SERVER FLAGS" "BENCH FLAGS"
-  $SERVE $2 & local pid=$!
-  until curl -sf 127.0.0.1:$PORT/health >/dev/null; do sleep 1; kill -0 $pid; done
-  $BENCH --tag "$1" $3
-  kill -TERM $pid; wait $pid || true
+  echo "== $1: server flags [$2]" >&2
+  $SERVE $2 &
+  local pid=$! waited=0
+  until curl -sf "127.0.0.1:$PORT/health" >/dev/null; do
+    if ! kill -0 $pid 2>/dev/null || [ $waited -ge 600 ]; then
+      echo "== $1: the server did not come up (exited or 600 s); run skipped" >&2
+      kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+      FAILED=1
+      return
+    fi
+    sleep 1; waited=$((waited + 1))
+  done
+  echo "== $1: server up after ${waited} s" >&2
+  $BENCH --tag "$1" $3 || FAILED=1
+  kill -TERM $pid; wait $pid 2>/dev/null
 }
 
-# chunked prefill budget on a mix of long (8k) and short prompts: ITL p99, TTFT, throughput
-MIX="--dataset random --num-prompts 200 --random-input-len 8192 --random-range-ratio 0.02 --random-output-len 256 --request-rate 4"
-for budget in 512 2048 16384; do run "chunk$budget" "--chunked-prefill-size $budget" "$MIX"; done
-# prefill delayer on vs off, dp-size 1, bursty arrivals
-BURST="--dataset random --num-prompts 512 --random-input-len 1024 --random-output-len 512 --random-range-ratio 0.5"
-run "delayer-off" "" "$BURST"
-run "delayer-on" "--enable-prefill-delayer" "$BURST"
-# overlap on vs off
-STEADY="--dataset random --num-prompts 512 --random-input-len 512 --random-output-len 512 --random-range-ratio 0.5"
-run "overlap-on" "" "$STEADY"
-run "overlap-off" "--disable-overlap-schedule" "$STEADY"
+# Poisson arrivals of 512-2048-token prompts: prefill chunks and decodes share steps (mixed batches)
+MIXED="--dataset random --num-prompts 200 --random-input-len 2048 --random-output-len 256 --random-range-ratio 0.25 --request-rate 8"
+# 164-8192-token prompts: chunk budget vs ITL p99, TTFT, throughput
+LONG_SHORT="--dataset random --num-prompts 100 --random-input-len 8192 --random-range-ratio 0.02 --random-output-len 256 --request-rate 2"
+BURST="--dataset random --num-prompts 256 --random-input-len 1024 --random-output-len 512 --random-range-ratio 0.5"
+STEADY="--dataset random --num-prompts 256 --random-input-len 512 --random-output-len 512 --random-range-ratio 0.5"
+
+groups=("$@")
+[ ${#groups[@]} -eq 0 ] && groups=(backends overlap chunk delayer)
+for group in "${groups[@]}"; do
+  case $group in
+    backends)
+      for backend in triton cuda flashinfer; do
+        run "backend-$backend" "--attention-backend $backend --disable-cuda-graph" "$MIXED"
+      done ;;
+    overlap)
+      run "overlap-on" "" "$STEADY"
+      run "overlap-off" "--disable-overlap-schedule" "$STEADY" ;;
+    chunk)
+      for budget in 512 2048 16384; do run "chunk$budget" "--chunked-prefill-size $budget" "$LONG_SHORT"; done ;;
+    delayer)
+      run "delayer-off" "" "$BURST"
+      run "delayer-on" "--enable-prefill-delayer" "$BURST" ;;
+    *) echo "unknown group $group; allowed: backends overlap chunk delayer" >&2; exit 2 ;;
+  esac
+done
+exit $FAILED

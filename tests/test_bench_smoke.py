@@ -33,7 +33,9 @@ def test_bench_attention_smoke(tmp_path):
         assert row["ms"] > 0 and row["kv_gbps"] > 0
         if "rel_err_vs_fp64" in row:
             assert row["rel_err_vs_fp64"] < 1.6e-2, row
-    assert len(report["targets"]) == 4
+    assert len(report["targets"]) == 7  # the kernels issue's four, the csrc issue's three (best of ours)
+    assert any(t.startswith("(a) best of ours (") for t in report["targets"])
+    assert any(t.startswith("(d) best of ours") and "not measured" in t for t in report["targets"])
     saved = json.loads((tmp_path / "attention_smoke.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(report["rows"]))
     assert "| a |" in (tmp_path / "attention_smoke.md").read_text()
@@ -78,6 +80,18 @@ def test_bench_attention_full_grid_smoke(tmp_path):
     assert {r["kind"] for r in grid} == set(bench.GRID_KINDS) and {r["page"] for r in grid} == {1, 16, 64}
     assert all(r["ms"] > 0 for r in grid)
     assert (tmp_path / "attention_smoke_grid.png").stat().st_size > 0
+    assert report["grid_left_out"] == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_time_budget_leaves_configs_out(tmp_path):
+    """A spent --time-budget starts no more grid configs, names them, and still writes the report."""
+    bench = load_bench()
+    report = bench.main(["--smoke", "--suite", "full", "--cases", "a", "--time-budget", "0", "--out", str(tmp_path)])
+    configs = bench.grid_configs(smoke=True)
+    assert report["grid"] == [] and len(report["grid_left_out"]) == len(configs) == 12
+    assert configs[0][1] == 16 and {c[1] for c in configs[:4]} == {16}  # page 16 first: every tuning key
+    assert "Left out by --time-budget (12 grid configs)" in (tmp_path / "attention_smoke.md").read_text()
 
 
 def test_bench_disagg_smoke(tmp_path):
