@@ -49,15 +49,16 @@ def build_tokenizer(path: Path, vocab_size: int = 400) -> int:
     return tok.get_vocab_size()
 
 
-def build_checkpoint(path: Path, arch: str, seed: int = 0, shard: bool = False) -> Path:
-    """A 2-layer float32 checkpoint of ``arch`` (llama | qwen2 | qwen3) with a trained tokenizer."""
+def build_checkpoint(path: Path, arch: str, seed: int = 0, shard: bool = False, hidden_size: int = 128) -> Path:
+    """A 2-layer float32 checkpoint of ``arch`` (llama | qwen2 | qwen3) with a trained tokenizer;
+    4 query and 2 KV heads of head dim hidden_size / 4 (qwen3: 32)."""
     import transformers
 
     vocab = build_tokenizer(path)
     common = dict(
         vocab_size=vocab,
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -5,7 +5,8 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
 - ``torch``: the pure-torch references in ``reference.py`` (CPU engine runs, test oracles);
 - ``triton``: ``triton_kernels`` (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 - ``cuda``: the CUDA C++ kernels of ``minengine._C`` (GPU; built when nvcc is found);
-- ``flashinfer``: FlashInfer's paged attention behind our contract (GPU, optional import);
+- ``flashinfer``: FlashInfer's paged attention behind our contract, planned once per forward
+  step (GPU, optional import);
 - ``auto``: on CUDA, ``triton``, ``cuda`` or ``cuda-wgmma`` (the cuda kernel with Hopper wgmma
   prefill tiles) chosen per call shape from the device's committed
   tuning table (``tuning.py``; backend name ``tuned``), or ``triton`` where the device has none
@@ -49,13 +50,13 @@ def _cuda_kernels() -> KernelSet:
 
 
 def _flashinfer_kernels() -> KernelSet:
-    """FlashInfer's attention (planned per call: a comparison backend); our store and gather."""
+    """FlashInfer's attention (one workspace and plan per forward step); our store and gather."""
     import triton_kernels
     from minengine.ops import flashinfer_ref
 
     if not flashinfer_ref.available():
         raise RuntimeError("the flashinfer backend needs flashinfer-python and a CUDA GPU")
-    return KernelSet(flashinfer_ref.paged_attention, triton_kernels.store_kv, triton_kernels.gather_input_ids)
+    return KernelSet(flashinfer_ref.FlashInferBackend(), triton_kernels.store_kv, triton_kernels.gather_input_ids)
 
 
 def _tuning_table(device: torch.device) -> dict[str, str] | None:

@@ -1,15 +1,26 @@
-"""FlashInfer behind our ``paged_attention`` contract, for comparison (GPU only, optional).
+"""FlashInfer behind our ``paged_attention`` contract (GPU only, optional import): the engine's
+``flashinfer`` backend and the benchmarks' comparison.
 
-Converts block_tables / seq_lens / cu_seqlens_q to FlashInfer's CSR page layout (indptr,
-indices, last_page_len), plans once on the host, then ``run`` launches only the kernel, which
-is how FlashInfer is meant to be timed. Decode-only batches use its decode wrapper, everything
-else its prefill (append) wrapper with a causal mask. A later issue turns this into the
-``flashinfer`` backend of ``minengine.ops``.
+Our metadata (block_tables, seq_lens, cu_seqlens_q) becomes FlashInfer's CSR page layout
+(indptr, indices, last_page_len) on the host, and a wrapper is planned with it: the decode wrapper
+when every sequence has one query token, else the prefill (append) wrapper with a causal mask.
+``run`` launches only the kernel, which is how FlashInfer is meant to be timed and used.
+
+The engine backend (``FlashInferBackend``) keeps one workspace and one wrapper of each kind per
+device and plans once per forward step, as vLLM and SGLang do: every layer of a step passes the
+same metadata tensors, so the first layer's call plans and the others reuse the plan. Planning
+reads the metadata back to the host (one device sync per step), so this backend gains nothing
+from overlap scheduling, and it runs eagerly (no CUDA graphs: the engine captures only backends
+without host work).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV partials), as in vLLM
 
 
 def available() -> bool:
@@ -29,8 +40,126 @@ def version() -> str | None:
         return None
 
 
+def csr_pages(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's page layout of a batch, on the host: ``indptr`` [B + 1] (sequence b's pages are
+    ``indices[indptr[b]:indptr[b + 1]]``), ``indices`` (the first ceil(seq_len / page_size) entries
+    of each block-table row) and ``last_page_len`` [B] (keys in each sequence's last page; 0 for
+    an empty sequence). All int32."""
+    lens = seq_lens.cpu().to(torch.int64)
+    tables = block_tables.cpu()
+    pages = (lens + page_size - 1) // page_size
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    indptr[1:] = pages.cumsum(0)
+    used = torch.arange(tables.shape[1]) < pages[:, None]
+    indices = tables[used]  # row-major: sequence by sequence, pages in order
+    last = torch.where(pages > 0, lens - (pages - 1) * page_size, 0)
+    return indptr.to(torch.int32), indices.to(torch.int32), last.to(torch.int32)
+
+
+class FlashInferBackend:
+    """``paged_attention`` through FlashInfer for one device: one workspace, a decode and a prefill
+    wrapper made on first use, and a plan made once per distinct batch (the same metadata tensor
+    objects, unmodified since, reuse it)."""
+
+    def __init__(self, workspace_bytes: int = WORKSPACE_BYTES):
+        self.workspace_bytes = workspace_bytes
+        self.workspace: torch.Tensor | None = None
+        self.wrappers: dict[str, object] = {}
+        self.plans = 0  # plans made (the engine makes one per forward step)
+        self._key: tuple | None = None  # what the current plan was made for
+        self._metadata: tuple = ()  # weak references to its metadata tensors, with their versions
+        self._wrapper = None
+        self._rows = 0  # query rows the plan covers (cu_seqlens_q[-1]); rows past it are padding
+
+    def _wrapper_for(self, kind: str, device: torch.device):
+        import flashinfer
+
+        if self.workspace is None or self.workspace.device != device:
+            self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+            self.wrappers = {}
+        if kind not in self.wrappers:
+            cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper if kind == "decode" else (
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper
+            )  # fmt: skip
+            self.wrappers[kind] = cls(self.workspace, "NHD")
+        return self.wrappers[kind]
+
+    def _planned_for(self, key: tuple, metadata: tuple[torch.Tensor, ...]) -> bool:
+        if key != self._key or len(metadata) != len(self._metadata):
+            return False
+        return all(ref() is t and t._version == v for t, (ref, v) in zip(metadata, self._metadata, strict=True))
+
+    def plan(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        softmax_scale: float | None = None,
+    ) -> None:
+        """Plan for this batch unless the current plan is for it already (a device sync when it plans)."""
+        _, page_size, hkv, d = k_cache.shape
+        hq = q.shape[1]
+        scale = softmax_scale if softmax_scale is not None else d**-0.5
+        key = (q.device, q.dtype, k_cache.dtype, page_size, hkv, d, hq, scale)
+        metadata = (block_tables, seq_lens, cu_seqlens_q)
+        if self._planned_for(key, metadata):
+            return
+        cu = cu_seqlens_q.cpu()
+        indptr, indices, last = csr_pages(block_tables, seq_lens, page_size)
+        decode_only = bool(((cu[1:] - cu[:-1]) == 1).all())
+        wrapper = self._wrapper_for("decode" if decode_only else "prefill", q.device)
+        dev = q.device
+        common = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        if decode_only:
+            wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), hq, hkv, d, page_size, **common)
+        else:
+            wrapper.plan(
+                cu.to(dev), indptr.to(dev), indices.to(dev), last.to(dev), hq, hkv, d, page_size, causal=True, **common
+            )
+        self._key, self._wrapper, self._rows = key, wrapper, int(cu[-1])
+        self._metadata = tuple((weakref.ref(t), t._version) for t in metadata)
+        self.plans += 1
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The planned batch's attention; rows past the plan's tokens (padding) are zeros."""
+        if q.shape[0] == self._rows:
+            return self._wrapper.run(q, (k_cache, v_cache))
+        result = torch.zeros_like(q)
+        result[: self._rows] = self._wrapper.run(q[: self._rows], (k_cache, v_cache))
+        return result
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        max_seqlen_q: int,
+        softmax_scale: float | None = None,
+        out: torch.Tensor | None = None,
+        **_: object,
+    ) -> torch.Tensor:
+        """Our ``paged_attention`` contract."""
+        from triton_kernels.contract import check_paged_attention
+
+        check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
+        self.plan(q, k_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale)
+        result = self.run(q, k_cache, v_cache)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+
 class FlashInferPagedAttention:
-    """Plan for one batch (host sync here), then ``run()`` as often as needed."""
+    """One batch, planned at construction (a host sync), then ``run()`` as often as needed: for
+    benchmarks and tests."""
 
     def __init__(
         self,
@@ -41,77 +170,16 @@ class FlashInferPagedAttention:
         seq_lens: torch.Tensor,
         cu_seqlens_q: torch.Tensor,
         softmax_scale: float | None = None,
-        workspace_bytes: int = 256 * 1024 * 1024,
+        workspace_bytes: int = WORKSPACE_BYTES,
     ):
-        import flashinfer
-
-        device = q.device
-        _, page_size, hkv, d = k_cache.shape
-        hq = q.shape[1]
-        lens = seq_lens.tolist()
-        cu = cu_seqlens_q.tolist()
-        pages = [-(-n // page_size) for n in lens]
-        indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
-        tables = block_tables.cpu()
-        indices = torch.cat([tables[b, :n] for b, n in enumerate(pages)]).to(torch.int32)
-        last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages, strict=True)], dtype=torch.int32)
-        self.q, self.kv = q, (k_cache, v_cache)
-        self.decode_only = all(cu[b + 1] - cu[b] == 1 for b in range(len(lens)))
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        scale = softmax_scale if softmax_scale is not None else d**-0.5
-        if self.decode_only:
-            self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-            self.wrapper.plan(
-                indptr.to(device),
-                indices.to(device),
-                last.to(device),
-                hq,
-                hkv,
-                d,
-                page_size,
-                sm_scale=scale,
-                q_data_type=q.dtype,
-                kv_data_type=k_cache.dtype,
-            )
-        else:
-            self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-            self.wrapper.plan(
-                cu_seqlens_q.to(device),
-                indptr.to(device),
-                indices.to(device),
-                last.to(device),
-                hq,
-                hkv,
-                d,
-                page_size,
-                causal=True,
-                sm_scale=scale,
-                q_data_type=q.dtype,
-                kv_data_type=k_cache.dtype,
-            )
+        self.backend = FlashInferBackend(workspace_bytes)
+        self.backend.plan(q, k_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale)
+        self.q, self.k_cache, self.v_cache = q, k_cache, v_cache
 
     def run(self) -> torch.Tensor:
-        return self.wrapper.run(self.q, self.kv)
+        return self.backend.run(self.q, self.k_cache, self.v_cache)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    max_seqlen_q: int,
-    softmax_scale: float | None = None,
-    out: torch.Tensor | None = None,
-    **_: object,
-) -> torch.Tensor:
-    """Our contract through FlashInfer, planned on every call (a host sync): for comparisons."""
-    from triton_kernels.contract import check_paged_attention
-
-    check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
-    result = FlashInferPagedAttention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale).run()
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+def paged_attention(*args, **kwargs) -> torch.Tensor:
+    """Our contract through FlashInfer, planned on every call (a host sync): for scripts and tests."""
+    return FlashInferBackend()(*args, **kwargs)

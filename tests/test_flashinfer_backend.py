@@ -1,0 +1,170 @@
+"""The ``flashinfer`` backend's own logic on CPU, with FlashInfer replaced by a stand-in that has the
+wrappers' plan/run signatures and computes what FlashInfer computes from the CSR page layout
+(float64 torch): our metadata -> (indptr, indices, last_page_len), decode vs prefill wrapper,
+one plan per forward step, padding rows. The real FlashInfer runs in the GPU tests
+(``test_gpu_kernels.py::test_agrees_with_flashinfer``, ``test_gpu_engine.py``).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+
+import pytest
+import torch
+
+from minengine import LLM, SamplingParams
+from minengine.ops import flashinfer_ref, reference
+from minengine.ops.testing import make_paged_batch, relative_error
+
+
+def _attend(q, k, v, visible):
+    """q [n, hq, d], k / v [L, hkv, d] (float64), query i sees keys [0, visible(i))."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    for i in range(q.shape[0]):
+        n = visible(i)
+        if n <= 0:
+            continue
+        kk, vv = k[:n].repeat_interleave(group, 1), v[:n].repeat_interleave(group, 1)  # [n, hq, d]
+        s = torch.einsum("hd,khd->hk", q[i], kk) * _Wrapper.scale
+        out[i] = torch.einsum("hk,khd->hd", s.softmax(-1), vv)
+    return out
+
+
+class _Wrapper:
+    """FlashInfer's paged wrappers as far as the backend uses them, computed in float64."""
+
+    scale = 1.0
+    plans: list[str] = []
+    runs = 0
+
+    def __init__(self, workspace, layout):
+        assert workspace.dtype == torch.uint8 and layout == "NHD"
+
+    def _plan(self, qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale):
+        for t in (qo_indptr, indptr, indices, last):
+            assert t.dtype == torch.int32
+        self.qo, self.indptr, self.indices, self.last = qo_indptr.tolist(), indptr.tolist(), indices.tolist(), last
+        self.heads, self.page_size = (num_qo_heads, num_kv_heads, head_dim), page_size
+        _Wrapper.scale = sm_scale
+        _Wrapper.plans.append(type(self).__name__)
+
+    def run(self, q, paged_kv_cache):
+        _Wrapper.runs += 1
+        k_cache, v_cache = paged_kv_cache
+        assert q.shape[0] == self.qo[-1] and tuple(q.shape[1:]) == (self.heads[0], self.heads[2])
+        out = torch.empty(q.shape, dtype=torch.float64)
+        for b in range(len(self.qo) - 1):
+            pages = self.indices[self.indptr[b] : self.indptr[b + 1]]
+            length = (len(pages) - 1) * self.page_size + int(self.last[b]) if pages else 0
+            k = k_cache[pages].flatten(0, 1)[:length].double()
+            v = v_cache[pages].flatten(0, 1)[:length].double()
+            lo, hi = self.qo[b], self.qo[b + 1]
+            n = hi - lo
+            out[lo:hi] = _attend(q[lo:hi].double(), k, v, lambda i, n=n, length=length: length - n + i + 1)
+        return out.to(q.dtype)
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
+        batch = torch.arange(len(last_page_len) + 1, dtype=torch.int32)  # one query row per sequence
+        self._plan(batch, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw_of(kw))
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    def plan(
+        self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+        head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, **kw,
+    ):  # fmt: skip
+        assert causal, "our contract is causal"
+        args = qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len
+        self._plan(*args, num_qo_heads, num_kv_heads, head_dim_qk, page_size, **kw_of(kw))
+
+
+def kw_of(kw):
+    assert kw["q_data_type"] in (torch.float16, torch.bfloat16, torch.float32), kw
+    return {"sm_scale": kw["sm_scale"]}
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    module = types.ModuleType("flashinfer")
+    module.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+    module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(flashinfer_ref, "available", lambda: True)
+    _Wrapper.plans, _Wrapper.runs = [], 0
+    return module
+
+
+def test_csr_pages_layout():
+    tables = torch.tensor([[7, 3, 9], [4, 0, 0], [5, 6, 0], [1, 2, 8]], dtype=torch.int32)
+    indptr, indices, last = flashinfer_ref.csr_pages(tables, torch.tensor([9, 0, 8, 1], dtype=torch.int32), 4)
+    assert indptr.tolist() == [0, 3, 3, 5, 6]
+    assert indices.tolist() == [7, 3, 9, 5, 6, 1]
+    assert last.tolist() == [1, 0, 4, 1]
+    assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_backend_matches_reference(decode_only, fake_flashinfer):
+    rng = random.Random()
+    seed = rng.randrange(2**31)
+    rng.seed(seed)
+    for _ in range(4):
+        n = rng.randint(1, 5)
+        q_lens = [1] * n if decode_only else [rng.choice([0, 1, 3, 9]) for _ in range(n)]
+        kv_lens = [q + rng.choice([0, 2, 17]) for q in q_lens]
+        if decode_only:
+            kv_lens = [max(1, kv) for kv in kv_lens]
+        page = rng.choice([1, 3, 16])
+        batch = make_paged_batch(
+            q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=page, dtype=torch.float32,
+            device="cpu", num_tokens=sum(q_lens) + 2,
+        )  # fmt: skip
+        backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+        out = torch.full_like(batch.q, float("nan"))
+        backend(*batch.args(), out=out)
+        want = reference.paged_attention(*batch.to_float64())
+        assert relative_error(out, want) < 1e-5, f"seed {seed}, {q_lens}, {kv_lens}, page {page}"
+        assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
+        assert _Wrapper.plans[-1] == ("BatchDecodeWithPagedKVCacheWrapper" if decode_only else
+                                      "BatchPrefillWithPagedKVCacheWrapper")  # fmt: skip
+
+
+def test_one_plan_per_batch(fake_flashinfer):
+    """Every layer of a step passes the same metadata tensors: one plan; new tensors or an in-place
+    change of one of them (a CUDA-graph style update) plan again."""
+    batch = make_paged_batch([3, 1], [10, 6], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                             dtype=torch.float32, device="cpu")  # fmt: skip
+    backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+    for _ in range(5):
+        backend(*batch.args())
+    assert backend.plans == 1
+    batch.seq_lens[1] -= 1  # in place: same object, new version
+    backend(*batch.args())
+    assert backend.plans == 2
+    args = list(batch.args())
+    args[4] = batch.seq_lens.clone()  # an equal but new tensor
+    backend(*args)
+    assert backend.plans == 3
+    backend(*args, softmax_scale=0.5)
+    assert backend.plans == 4
+
+
+def test_engine_runs_on_the_flashinfer_backend(fake_flashinfer):
+    """The engine on the flashinfer backend: greedy tokens as with the torch backend, one plan per
+    forward step (not per layer)."""
+    prompts = [[5, 9, 2, 7, 1, 3], [8, 8, 4], list(range(10, 30))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    config = dict(device="cpu", dtype="float32", page_size=4, chunked_prefill_size=16)
+    want = [o.token_ids for o in LLM("tiny", attention_backend="torch", **config).generate(prompts, params)]
+    llm = LLM("tiny", attention_backend="flashinfer", **config)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    backend = llm.engine.runner.kernels.paged_attention
+    assert isinstance(backend, flashinfer_ref.FlashInferBackend)
+    layers = llm.engine.model_config.num_layers
+    assert layers > 1 and 0 < backend.plans == len(_Wrapper.plans)
+    assert _Wrapper.runs == backend.plans * layers  # each step's plan serves all its layers
