@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,9 +133,13 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
         if not args.no_torch:
             row["torch_ms"] = bench(lambda: reference.paged_attention(*batch.args(), out=out))
         if flashinfer_ref.available():
-            fi = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6])
-            row["flashinfer_ms"] = bench(fi.run)
-            row["rel_err_vs_flashinfer"] = relative_error(ours(), fi.run())
+            try:  # a FlashInfer JIT or plan failure is a skip, not the end of the run
+                fi = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6])
+                row["rel_err_vs_flashinfer"] = relative_error(ours(), fi.run())
+                row["flashinfer_ms"] = bench(fi.run)
+            except Exception as exc:  # noqa: BLE001
+                row["flashinfer_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(f"skip flashinfer (case {case.name}): {row['flashinfer_error']}", flush=True)
         if cuda_backend.available():
             theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
             row["cuda_ms"] = bench(theirs)
@@ -205,63 +210,91 @@ def grid_configs(smoke: bool) -> list[tuple[str, int, torch.dtype, str]]:
     return [(s, p, dt, k) for p in (16, 64, 1) for s in shapes for dt in dtypes for k in GRID_KINDS]
 
 
-def run_grid(
-    args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict, deadline: float | None
-) -> tuple[list[dict], list[str]]:
-    """Every backend on shapes x head dims x page sizes x dtypes x batch kinds, and the configs left
-    out because the time budget ran out (none started after ``deadline``)."""
+def measure_config(
+    args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict, config: tuple
+) -> list[dict]:
+    """One grid config (shape, page, dtype, kind): a row per backend that ran it."""
     import triton_kernels
     from minengine.ops import cuda as cuda_backend
     from minengine.ops import flashinfer_ref
     from minengine.ops.testing import make_paged_batch, relative_error
 
+    shape_name, page, dtype, kind = config
     scale = 64 if args.smoke else 1
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-    rows, left_out = [], []
-    for shape_name, page, dtype, kind in grid_configs(args.smoke):
-        if deadline is not None and time.monotonic() > deadline:
-            left_out.append(f"{shape_name} page {page} {str(dtype).split('.')[-1]} {kind}")
+    rows = []
+    hq, hkv, d = (4, 2, GRID_SHAPES[shape_name][2]) if args.smoke else GRID_SHAPES[shape_name]
+    q_lens, kv_lens = GRID_KINDS[kind]
+    q_lens = tuple(max(1, q // scale) for q in q_lens[: 4 if args.smoke else None])
+    kv_lens = tuple(max(q, kv // scale) for q, kv in zip(q_lens, kv_lens, strict=False))
+    batch = make_paged_batch(
+        list(q_lens), list(kv_lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+        page_size=page, dtype=dtype, device=device, poison=False,
+    )  # fmt: skip
+    out = torch.empty_like(batch.q)
+    runs = {"triton": lambda b=batch, o=out: triton_kernels.paged_attention(*b.args(), out=o)}
+    if cuda_backend.available():
+        for impl in ("auto", "simt") + (("wgmma",) if hopper and d <= 128 else ()):
+            name = "cuda" if impl == "auto" else f"cuda-{impl}"
+            runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
+    if flashinfer_ref.available() and page in (16, 64):
+        try:  # a shape FlashInfer does not take, or a JIT failure, is a skip
+            runs["flashinfer"] = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run
+        except Exception as exc:  # noqa: BLE001
+            print(f"skip flashinfer ({shape_name}, page {page}, {kind}): {exc}", flush=True)
+    expected = runs["triton"]().clone()
+    times, errors = {}, {}
+    for backend, run in runs.items():
+        try:  # every output is checked against triton's before it is timed
+            errors[backend] = relative_error(run(), expected)
+        except Exception as exc:  # noqa: BLE001  (a build without 9.0a, a FlashInfer JIT failure)
+            print(f"skip {backend} ({shape_name}, page {page}, {kind}): {exc}", flush=True)
             continue
-        hq, hkv, d = (4, 2, GRID_SHAPES[shape_name][2]) if args.smoke else GRID_SHAPES[shape_name]
-        q_lens, kv_lens = GRID_KINDS[kind]
-        q_lens = tuple(max(1, q // scale) for q in q_lens[: 4 if args.smoke else None])
-        kv_lens = tuple(max(q, kv // scale) for q, kv in zip(q_lens, kv_lens, strict=False))
-        batch = make_paged_batch(
-            list(q_lens), list(kv_lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-            page_size=page, dtype=dtype, device=device, poison=False,
-        )  # fmt: skip
-        out = torch.empty_like(batch.q)
-        runs = {"triton": lambda b=batch, o=out: triton_kernels.paged_attention(*b.args(), out=o)}
-        if cuda_backend.available():
-            for impl in ("auto", "simt") + (("wgmma",) if hopper and d <= 128 else ()):
-                name = "cuda" if impl == "auto" else f"cuda-{impl}"
-                runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
-        if flashinfer_ref.available() and page in (16, 64):
-            with contextlib.suppress(Exception):  # a shape FlashInfer does not take is a skip
-                runs["flashinfer"] = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run
-        expected = runs["triton"]().clone()
-        times, errors = {}, {}
-        for backend, run in runs.items():
-            try:  # every output is checked against triton's before it is timed
-                errors[backend] = relative_error(run(), expected)
-            except ValueError as exc:  # e.g. a build without 9.0a
-                print(f"skip {backend} ({shape_name}, page {page}, {kind}): {exc}", flush=True)
-                continue
-            times[backend] = bench(run)
-        if not args.no_torch and device.type == "cuda":
-            times["torch_sdpa"] = bench(sdpa_on_gathered(batch))
-        nbytes = kv_bytes(kv_lens, hkv, d, 2)
-        flops = attention_flops(q_lens, kv_lens, hq, d)
-        for backend, ms in times.items():
-            row = dict(shape=shape_name, page=page, dtype=str(dtype).split(".")[-1], kind=kind, head_dim=d)
-            row |= dict(backend=backend, ms=ms, kv_bw_frac=nbytes / (ms / 1e3) / 1e9 / ceilings["copy_gbps"])
-            row["rel_err_vs_triton"] = errors[backend]
-            row["tflops_frac"] = flops / (ms / 1e3) / 1e12 / ceilings["matmul_tflops"]
-            if "flashinfer" in times:
-                row["flashinfer_over_this"] = times["flashinfer"] / ms
-            rows.append(row)
-            print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
-                  flush=True)  # fmt: skip
+        times[backend] = bench(run)
+    if not args.no_torch and device.type == "cuda":
+        times["torch_sdpa"] = bench(sdpa_on_gathered(batch))
+    nbytes = kv_bytes(kv_lens, hkv, d, 2)
+    flops = attention_flops(q_lens, kv_lens, hq, d)
+    for backend, ms in times.items():
+        row = dict(shape=shape_name, page=page, dtype=str(dtype).split(".")[-1], kind=kind, head_dim=d)
+        row |= dict(backend=backend, ms=ms, kv_bw_frac=nbytes / (ms / 1e3) / 1e9 / ceilings["copy_gbps"])
+        row["rel_err_vs_triton"] = errors[backend]
+        row["tflops_frac"] = flops / (ms / 1e3) / 1e12 / ceilings["matmul_tflops"]
+        if "flashinfer" in times:
+            row["flashinfer_over_this"] = times["flashinfer"] / ms
+        rows.append(row)
+        print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
+              flush=True)  # fmt: skip
+    return rows
+
+
+class Stopped(Exception):
+    """SIGTERM from the caller's time limit: stop measuring and write what was measured."""
+
+
+def _stop(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop; the report is written next
+    raise Stopped
+
+
+def run_grid(
+    args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict, deadline: float | None
+) -> tuple[list[dict], list[str]]:
+    """Every backend on shapes x head dims x page sizes x dtypes x batch kinds, and the configs left
+    out: none starts after ``deadline``, and SIGTERM (with --time-budget) stops the one running."""
+    configs = grid_configs(args.smoke)
+    name = lambda c: f"{c[0]} page {c[1]} {str(c[2]).split('.')[-1]} {c[3]}"  # noqa: E731
+    rows, left_out = [], []
+    for i, config in enumerate(configs):
+        if deadline is not None and time.monotonic() > deadline:
+            left_out.append(name(config))
+            continue
+        try:
+            rows += measure_config(args, device, bench, ceilings, config)
+        except Stopped:
+            left_out += [name(c) for c in configs[i:]]
+            print(f"stopped by SIGTERM during {name(config)}", flush=True)
+            break
     if left_out:
         print(f"time budget spent: {len(left_out)} grid configs left out", flush=True)
     return rows, left_out
@@ -401,7 +434,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="with --suite full: write minengine/ops/tuning/<device>.json, the per-shape choice of `auto`",
     )
     args = parser.parse_args(argv)
-    deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
+    deadline = None
+    if args.time_budget is not None:  # under a time limit: its SIGTERM ends the grid, not the run
+        deadline = time.monotonic() + args.time_budget
+        signal.signal(signal.SIGTERM, _stop)
 
     if args.smoke and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_session.sh serving [GROUP...]  # run_ablations.sh groups, default: backends overlap chunk delayer
 #   bash benchmarks/gpu_session.sh disagg     # bench_disagg.py (router, decode radix cache off/on)
 #
-# Each phase runs its steps in order of importance within GPU_PHASE_SECONDS (default 560: the device
+# Each phase runs its steps in order of importance within GPU_PHASE_SECONDS (default 550: the device
 # tool stops a call at 600 s, or sooner when less device time is left, so set it from `status`).
 # A step gets what is left of that budget and is stopped (with its child processes) when it runs
 # out; a step that would start with under 30 s left is skipped. The archive is rewritten after every
@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 PHASE=${1:?phase: tests | kernels | engine | serving | disagg}
 shift
 DEST=${OUT:-benchmarks/results}
-BUDGET=${GPU_PHASE_SECONDS:-560}
+BUDGET=${GPU_PHASE_SECONDS:-550}
 START=$SECONDS
 WORK=$(mktemp -d)
 mkdir -p "$DEST" "$WORK/results" "$WORK/logs"
@@ -43,7 +43,8 @@ step() {
   fi
   echo "== $name (at most ${budget} s): $*"
   begin=$SECONDS
-  timeout -k 10 "$budget" "$@" > "$WORK/logs/$name.log" 2>&1  # timeout signals the whole process group
+  # SIGTERM to the step's whole process group at the budget, SIGKILL 20 s later
+  timeout -k 20 "$budget" "$@" > "$WORK/logs/$name.log" 2>&1
   rc=$?
   local verdict="exit $rc"
   [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict="STOPPED at the phase budget"
@@ -69,10 +70,10 @@ case $PHASE in
     step memcheck bash profiles/memcheck.sh
     ;;
   kernels)
-    # the grid stops starting configs 90 s before the step's end, so the report and the tuning
-    # table (commit it to minengine/ops/tuning/) are written from what it measured
+    # the grid starts no config in its last 120 s, and SIGTERM ends the one running, so the
+    # report and the tuning table (commit it to minengine/ops/tuning/) hold what it measured
     step bench_attention python3 benchmarks/bench_attention.py --suite full --write-tuning \
-      --time-budget $(($(left) - 90)) --out "$WORK/results"
+      --time-budget $(($(left) - 120)) --out "$WORK/results"
     cp minengine/ops/tuning/*.json "$WORK/results/" 2>/dev/null
     pack
     step ncu bash profiles/ncu_kernels.sh

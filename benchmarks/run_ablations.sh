@@ -24,7 +24,7 @@ PORT=${PORT:-30077}
 MODEL=${MODEL:-}
 LOAD=""
 if [ -z "$MODEL" ]; then  # a config-only directory: random bf16 weights (--load-format dummy)
-  MODEL=$(python - <<'PY'
+  MODEL=$(python3 - <<'PY'
 import pathlib, sys, tempfile
 sys.path.insert(0, "benchmarks")
 from bench_offline import model_dir
@@ -33,19 +33,28 @@ PY
 ) || exit 1
   LOAD="--load-format dummy"
 fi
-SERVE="python -m minengine.serve --model $MODEL $LOAD --port $PORT --log-level warning --context-length 16384"
-BENCH="python benchmarks/bench_serving.py --base-url http://127.0.0.1:$PORT --tokenizer $MODEL --plot --no-progress"
+SERVE="python3 -m minengine.serve --model $MODEL $LOAD --port $PORT --log-level warning --context-length 16384"
+BENCH="python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:$PORT --tokenizer $MODEL --plot --no-progress"
 BENCH="$BENCH --out $RESULTS_DIR"
 FAILED=0
+
+healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; }
+
+stop() {  # stop PID: SIGTERM, then SIGKILL after 30 s
+  kill -TERM "$1" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$1" 2>/dev/null
+  wait "$1" 2>/dev/null
+}
 
 run() {  # run TAG "SERVER FLAGS" "BENCH FLAGS"
   echo "== $1: server flags [$2]" >&2
   $SERVE $2 &
   local pid=$! waited=0
-  until curl -sf "127.0.0.1:$PORT/health" >/dev/null; do
+  until healthy; do
     if ! kill -0 $pid 2>/dev/null || [ $waited -ge 600 ]; then
       echo "== $1: the server did not come up (exited or 600 s); run skipped" >&2
-      kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null
+      stop $pid
       FAILED=1
       return
     fi
@@ -53,7 +62,7 @@ run() {  # run TAG "SERVER FLAGS" "BENCH FLAGS"
   done
   echo "== $1: server up after ${waited} s" >&2
   $BENCH --tag "$1" $3 || FAILED=1
-  kill -TERM $pid; wait $pid 2>/dev/null
+  stop $pid
 }
 
 # Poisson arrivals of 512-2048-token prompts: prefill chunks and decodes share steps (mixed batches)

@@ -105,3 +105,33 @@ def test_bench_disagg_smoke(tmp_path):
         # the decode radix cache saves transfers: later turns and shared prefixes are already there
         assert rows[workload, True]["kv_pages"] < rows[workload, False]["kv_pages"]
     assert "| multi-turn | on |" in (tmp_path / "disagg_smoke.md").read_text()
+
+
+def test_bench_attention_sigterm_stops_the_grid_and_keeps_what_it_measured(monkeypatch):
+    """Under a time limit the caller's SIGTERM ends the config being measured; the configs done stay,
+    the rest are listed as left out, and the run goes on to write its report."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    bench = load_bench()
+    measured = []
+
+    def measure(args, device, timer, ceilings, config):
+        measured.append(config)
+        if len(measured) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        return [{"config": config}]
+
+    monkeypatch.setattr(bench, "measure_config", measure)
+    previous = signal.signal(signal.SIGTERM, bench._stop)
+    try:
+        rows, left_out = bench.run_grid(SimpleNamespace(smoke=True), torch.device("cpu"), None, {}, deadline=None)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second SIGTERM cannot cut the writing
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    configs = bench.grid_configs(smoke=True)
+    assert [r["config"] for r in rows] == configs[:2]
+    assert len(left_out) == len(configs) - 2 and left_out[0].startswith(configs[2][0])

@@ -40,12 +40,15 @@ class _Wrapper:
     plans: list[str] = []
     runs = 0
 
-    def __init__(self, workspace, layout):
-        assert workspace.dtype == torch.uint8 and layout == "NHD"
+    def __init__(self, workspace, layout, use_tensor_cores=False):
+        assert workspace.dtype == torch.uint8 and layout == "NHD" and not workspace.any()  # zeroed
+        self.tensor_cores = use_tensor_cores
 
     def _plan(self, qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale):
         for t in (qo_indptr, indptr, indices, last):
-            assert t.dtype == torch.int32
+            assert t.dtype == torch.int32 and t.device.type == "cpu"  # host: plan reads them there
+        if isinstance(self, BatchDecodeWithPagedKVCacheWrapper) and not self.tensor_cores:
+            assert num_qo_heads // num_kv_heads in (1, 2, 3, 4, 6, 8), "FlashInfer's CUDA-core decode"
         self.qo, self.indptr, self.indices, self.last = qo_indptr.tolist(), indptr.tolist(), indices.tolist(), last
         self.heads, self.page_size = (num_qo_heads, num_kv_heads, head_dim), page_size
         _Wrapper.scale = sm_scale
@@ -130,8 +133,32 @@ def test_backend_matches_reference(decode_only, fake_flashinfer):
         want = reference.paged_attention(*batch.to_float64())
         assert relative_error(out, want) < 1e-5, f"seed {seed}, {q_lens}, {kv_lens}, page {page}"
         assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
-        assert _Wrapper.plans[-1] == ("BatchDecodeWithPagedKVCacheWrapper" if decode_only else
-                                      "BatchPrefillWithPagedKVCacheWrapper")  # fmt: skip
+        kind = "Decode" if all(n == 1 for n in q_lens) else "Prefill"
+        assert _Wrapper.plans[-1] == f"Batch{kind}WithPagedKVCacheWrapper"
+
+
+def test_decode_wrapper_on_tensor_cores_for_wide_groups(fake_flashinfer):
+    """FlashInfer's CUDA-core decode takes GQA groups 1, 2, 3, 4, 6 and 8: groups above 4 go to its
+    tensor-core decode (group 5: Qwen3-14B's 40 / 8)."""
+    backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+    for hq, tensor_cores in ((10, True), (4, False)):
+        batch = make_paged_batch([1, 1], [7, 3], num_q_heads=hq, num_kv_heads=2, head_dim=32, page_size=4,
+                                 dtype=torch.float32, device="cpu")  # fmt: skip
+        out = backend(*batch.args())
+        assert relative_error(out, reference.paged_attention(*batch.to_float64())) < 1e-5
+        assert backend._wrapper.tensor_cores is tensor_cores
+
+
+def test_inference_mode_metadata_plans_every_call(fake_flashinfer):
+    """Tensors made in inference mode keep no version counter: no plan reuse, still correct."""
+    with torch.inference_mode():
+        batch = make_paged_batch([3, 1], [10, 6], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                                 dtype=torch.float32, device="cpu")  # fmt: skip
+        backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+        for _ in range(3):
+            out = backend(*batch.args())
+    assert backend.plans == 3
+    assert relative_error(out, reference.paged_attention(*batch.to_float64())) < 1e-5
 
 
 def test_one_plan_per_batch(fake_flashinfer):

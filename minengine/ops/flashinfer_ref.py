@@ -73,20 +73,29 @@ class FlashInferBackend:
         self._wrapper = None
         self._rows = 0  # query rows the plan covers (cu_seqlens_q[-1]); rows past it are padding
 
-    def _wrapper_for(self, kind: str, device: torch.device):
+    def _wrapper_for(self, kind: str, group: int, device: torch.device):
+        """The decode wrapper (on tensor cores for GQA groups above 4, as vLLM does: FlashInfer's
+        CUDA-core decode takes only groups 1, 2, 3, 4, 6 and 8) or the prefill wrapper."""
         import flashinfer
 
         if self.workspace is None or self.workspace.device != device:
-            self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+            # FlashInfer wants its float workspace zeroed before first use
+            self.workspace = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
             self.wrappers = {}
-        if kind not in self.wrappers:
-            cls = flashinfer.BatchDecodeWithPagedKVCacheWrapper if kind == "decode" else (
-                flashinfer.BatchPrefillWithPagedKVCacheWrapper
-            )  # fmt: skip
-            self.wrappers[kind] = cls(self.workspace, "NHD")
-        return self.wrappers[kind]
+        if kind == "decode":
+            key = ("decode", group > 4)
+            if key not in self.wrappers:
+                self.wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_tensor_cores=group > 4
+                )
+            return self.wrappers[key]
+        if "prefill" not in self.wrappers:
+            self.wrappers["prefill"] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        return self.wrappers["prefill"]
 
     def _planned_for(self, key: tuple, metadata: tuple[torch.Tensor, ...]) -> bool:
+        """Whether the current plan is for these metadata tensor objects, unchanged since (by their
+        version counters: writes through raw pointers, outside torch, are not seen)."""
         if key != self._key or len(metadata) != len(self._metadata):
             return False
         return all(ref() is t and t._version == v for t, (ref, v) in zip(metadata, self._metadata, strict=True))
@@ -109,19 +118,19 @@ class FlashInferBackend:
         if self._planned_for(key, metadata):
             return
         cu = cu_seqlens_q.cpu()
-        indptr, indices, last = csr_pages(block_tables, seq_lens, page_size)
+        indptr, indices, last = csr_pages(block_tables, seq_lens, page_size)  # host: plan reads them there
         decode_only = bool(((cu[1:] - cu[:-1]) == 1).all())
-        wrapper = self._wrapper_for("decode" if decode_only else "prefill", q.device)
-        dev = q.device
+        wrapper = self._wrapper_for("decode" if decode_only else "prefill", hq // hkv, q.device)
         common = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
         if decode_only:
-            wrapper.plan(indptr.to(dev), indices.to(dev), last.to(dev), hq, hkv, d, page_size, **common)
+            wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, **common)
         else:
-            wrapper.plan(
-                cu.to(dev), indptr.to(dev), indices.to(dev), last.to(dev), hq, hkv, d, page_size, causal=True, **common
-            )
-        self._key, self._wrapper, self._rows = key, wrapper, int(cu[-1])
-        self._metadata = tuple((weakref.ref(t), t._version) for t in metadata)
+            wrapper.plan(cu.to(torch.int32), indptr, indices, last, hq, hkv, d, page_size, causal=True, **common)
+        self._wrapper, self._rows = wrapper, int(cu[-1])
+        # tensors made in inference mode keep no version counter: plan again on every call for them
+        cacheable = not any(t.is_inference() for t in metadata)
+        self._metadata = tuple((weakref.ref(t), t._version) for t in metadata) if cacheable else ()
+        self._key = key if cacheable else None
         self.plans += 1
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
