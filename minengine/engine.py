@@ -140,6 +140,8 @@ class Engine:
         if self.device.type != "cuda":
             return -(-CPU_DEFAULT_MAX_TOTAL_TOKENS // page_size)
         free, total = torch.cuda.mem_get_info(self.device)
+        # memory torch's caching allocator holds but no tensor uses (an engine shut down before) is free
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         budget = int(total * cfg.mem_fraction_static) - (total - free)
         if self.use_cuda_graphs:  # each captured bucket keeps its float32 logits
             max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)

@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """On a GPU, free what a test left behind (an LLM's KV pool takes most of the device) before
+    the next test sizes its own."""
+    yield
+    if HAS_CUDA:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")

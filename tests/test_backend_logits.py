@@ -82,8 +82,14 @@ def teacher_forced(model, kernels: KernelSet, seqs, dtype, device) -> list[torch
 
 def check_backend(checkpoint, sequences, kernels, dtype, device, tol):
     seqs, want = sequences
-    llm = LLM(str(checkpoint), device=device, dtype=dtype, attention_backend="torch", disable_cuda_graph=True)
-    got = teacher_forced(llm.engine.model, kernels, seqs, getattr(torch, dtype), torch.device(device))
+    llm = LLM(
+        str(checkpoint), device=device, dtype=dtype, attention_backend="torch", disable_cuda_graph=True,
+        max_total_tokens=64,
+    )  # fmt: skip
+    try:
+        got = teacher_forced(llm.engine.model, kernels, seqs, getattr(torch, dtype), torch.device(device))
+    finally:
+        llm.shutdown()
     for s in range(2):
         assert got[s].shape == want[s].shape
         err = relative_error(got[s], want[s].cpu())
