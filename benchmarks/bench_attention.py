@@ -237,7 +237,8 @@ def measure_config(
         for impl in ("auto", "simt") + (("wgmma",) if hopper and d <= 128 else ()):
             name = "cuda" if impl == "auto" else f"cuda-{impl}"
             runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
-    if flashinfer_ref.available() and page in (16, 64):
+    target = shape_name == "llama3-8b" and page == 16 and dtype == torch.bfloat16
+    if flashinfer_ref.available() and page in (16, 64) and (args.flashinfer_grid == "all" or target):
         try:  # a shape FlashInfer does not take, or a JIT failure, is a skip
             runs["flashinfer"] = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run
         except Exception as exc:  # noqa: BLE001
@@ -420,6 +421,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--suite", choices=["core", "full"], default="core", help="full: the backend x shape grid too")
+    parser.add_argument(
+        "--flashinfer-grid",
+        choices=["all", "target"],
+        default="all",
+        help="grid configs FlashInfer runs on: all (pages 16 and 64), or only the targets' (llama3-8b, "
+        "bf16, page 16), which bounds its JIT compiles (tens of seconds for each dtype x head dim x kind)",
+    )
     parser.add_argument(
         "--time-budget",
         type=float,
