@@ -15,6 +15,10 @@
 # step, so a phase cut short still returns what it finished, and logs/steps.txt says what ran, for
 # how long, and what was stopped or skipped.
 #
+# A session gets about 30 minutes of device time, start-up included: three phases at most. Order:
+# tests, kernels (the tuning table, FlashInfer ratios, targets), engine; serving and disagg in the
+# next session (`serving backends` first: our kernels against FlashInfer inside the engine).
+#
 # The GPU machine is offline: carry wheels in .whl/ (see the device README) for what its image
 # lacks: pybind11 and ninja (to build _C), openai and httpx (server tests), nvidia-ml-py (clocks),
 # and optionally flashinfer-python 0.5.3 + apache-tvm-ffi + nvidia-cudnn-frontend. The disagg phase
