@@ -28,34 +28,55 @@ from _common import report as make_report
 from bench_offline import model_dir
 
 
-def build(args, tmp: Path, batch: int, context: int, overlap: bool):
+def max_tokens(steps: int) -> int:
+    """Tokens each request may generate: the filling, the warm-up and both timed runs fit."""
+    return steps * 4 + 16
+
+
+def build(args, tmp: Path, overlap: bool):
+    """One engine for every point of an overlap setting: room for the largest batch and context."""
     from minengine import LLM
 
     path, dummy = model_dir(args.model, tmp)
+    batch, context = max(args.batches), max(args.contexts)
     config = dict(
         load_format="dummy" if dummy else "auto",
-        max_running_requests=max(batch, 1),
-        context_length=context + args.steps + 64,
+        max_running_requests=batch,
+        context_length=context + max_tokens(args.steps) + 64,
         disable_overlap_schedule=not overlap,
-        cuda_graph_max_bs=max(batch, 1),
+        cuda_graph_max_bs=batch,
     )
-    if args.smoke:
-        config["max_total_tokens"] = batch * (context + args.steps + 64)
+    if args.max_total_tokens is not None:
+        config["max_total_tokens"] = args.max_total_tokens
+    elif args.smoke:
+        config["max_total_tokens"] = batch * (context + max_tokens(args.steps) + 64)
     return LLM(path, **config), json.loads((Path(path) / "config.json").read_text())
 
 
-def fill(llm, batch: int, context: int, steps: int, vocab: int) -> None:
-    """Admit ``batch`` requests of ``context`` tokens and run until all of them decode."""
+def fill(llm, batch: int, context: int, steps: int, vocab: int) -> list:
+    """Admit ``batch`` requests of ``context`` tokens and run until all of them decode together."""
     from minengine import SamplingParams
 
-    rng = random.Random(0)
+    rng = random.Random(context * 1000 + batch)  # fresh prompts per point: no prefix-cache hits
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps * 4 + 16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens(steps), ignore_eos=True)
     reqs = [eng.add_request([rng.randrange(vocab) for _ in range(context)], params) for _ in range(batch)]
     while any(r.prefilling or r.num_inflight == 0 and not r.output_ids for r in reqs):
         eng.step()
     for _ in range(3):  # reach the steady decode state
         eng.step()
+    running = len(eng.scheduler.running)
+    if running != batch:
+        raise RuntimeError(f"batch {batch} x context {context}: only {running} requests decode together")
+    return reqs
+
+
+def drain(llm, reqs: list) -> None:
+    """Abort the point's requests and step until the engine is idle (their KV freed)."""
+    for r in reqs:
+        llm.engine.abort(r)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
 
 
 def sync() -> None:
@@ -120,10 +141,16 @@ def markdown(report: dict) -> str:
         return "-" if v is None else f"{v:.1%}"
 
     for r in report["rows"]:
-        lines.append(
-            f"| {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['roofline_ms']:.3f} | "
-            f"{r['step_ms'] / r['roofline_ms']:.2f} | {pct(r['idle_overlap'])} | {pct(r['idle_no_overlap'])} |"
-        )
+        if "skipped" in r:
+            lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | |")
+        elif "step_ms" not in r:
+            lines.append(f"| {r['batch']} | {r['context']} | not measured | | | | |")
+        else:
+            lines.append(
+                f"| {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['roofline_ms']:.3f} | "
+                f"{r['step_ms'] / r['roofline_ms']:.2f} | {pct(r.get('idle_overlap'))} | "
+                f"{pct(r.get('idle_no_overlap'))} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -133,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: GPU memory)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and sizes on CPU")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -145,28 +173,38 @@ def main(argv: list[str] | None = None) -> dict:
     from bench_attention import measure_ceilings, timer
 
     copy_gbps = measure_ceilings(device, timer(device), args.smoke)["copy_gbps"]
-    rows = []
+    rows = [{"batch": b, "context": c} for c in args.contexts for b in args.batches]
+
+    def write() -> dict:  # after every point: a run stopped at its time limit keeps what it measured
+        report = make_report(argv, "bench_decode", device, args, rows, copy_gbps=copy_gbps)
+        save(args.out, stem("decode", report), report, markdown(report))
+        return report
+
     with tempfile.TemporaryDirectory() as tmp:
-        for context in args.contexts:
-            for batch in args.batches:
-                row = {"batch": batch, "context": context}
-                for overlap in (True, False):
-                    sub = Path(tmp) / f"{batch}-{context}-{overlap}"
-                    sub.mkdir()
-                    llm, cfg = build(args, sub, batch, context, overlap)
-                    fill(llm, batch, context, args.steps, cfg["vocab_size"])
-                    if overlap:
-                        row["step_ms"] = time_steps(llm, args.steps) * 1e3
-                        weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-                        row["roofline_ms"] = roofline_seconds(cfg, batch, context, copy_gbps, weights) * 1e3
-                    row["idle_overlap" if overlap else "idle_no_overlap"] = idle_fraction(llm, args.steps)
-                    llm.shutdown()
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
-                rows.append(row)
+        for overlap in (True, False):  # one engine per setting, reused by every point
+            sub = Path(tmp) / f"overlap-{overlap}"
+            sub.mkdir()
+            llm, cfg = build(args, sub, overlap)
+            capacity = llm.engine.kv_capacity_tokens
+            for row in rows:
+                batch, context = row["batch"], row["context"]
+                need = batch * (context + max_tokens(args.steps))
+                if need > capacity:
+                    row["skipped"] = f"needs {need} KV tokens, the pool holds {capacity}"
+                    continue
+                reqs = fill(llm, batch, context, args.steps, cfg["vocab_size"])
+                if overlap:
+                    row["step_ms"] = time_steps(llm, args.steps) * 1e3
+                    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+                    row["roofline_ms"] = roofline_seconds(cfg, batch, context, copy_gbps, weights) * 1e3
+                row["idle_overlap" if overlap else "idle_no_overlap"] = idle_fraction(llm, args.steps)
+                drain(llm, reqs)
                 print(json.dumps(row), flush=True)
-    report = make_report(argv, "bench_decode", device, args, rows, copy_gbps=copy_gbps)
-    save(args.out, stem("decode", report), report, markdown(report))
+                write()
+            llm.shutdown()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    report = write()
     print(markdown(report))
     return report
 

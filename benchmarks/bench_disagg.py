@@ -63,12 +63,16 @@ def cluster(args, decode_radix: bool):
     serve += args.server_flags
     if args.load_dummy:
         serve += ["--load-format", "dummy"]
-    mem = ["--mem-fraction-static", "0.4"] if torch.cuda.is_available() else []  # the two share the GPU
+    # The two share the GPU. A server's fraction bounds everything in use on the device when it
+    # sizes its KV pool, the other server included: the prefill server (started first) gets up to
+    # 0.4 of the GPU, the decode server up to 0.8 minus what the prefill server holds.
+    cuda = torch.cuda.is_available()
+    mem = lambda fraction: ["--mem-fraction-static", fraction] if cuda else []  # noqa: E731
     procs = []
     try:
-        prefill = serve + ["--port", str(pport), "--disaggregation-mode", "prefill", *mem]
+        prefill = serve + ["--port", str(pport), "--disaggregation-mode", "prefill", *mem("0.4")]
         prefill += ["--disaggregation-bootstrap-port", str(boot)]
-        decode = serve + ["--port", str(dport), "--disaggregation-mode", "decode", *mem]
+        decode = serve + ["--port", str(dport), "--disaggregation-mode", "decode", *mem("0.8")]
         decode += ["--disaggregation-decode-enable-radix-cache"] if decode_radix else []
         for cmd, port in ((prefill, pport), (decode, dport)):
             procs.append(subprocess.Popen(cmd))

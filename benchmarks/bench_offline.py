@@ -202,21 +202,28 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     rows = []
+
+    def write() -> dict:  # after every measurement: a run stopped at its time limit keeps what it measured
+        report = make_report(argv, "bench_offline", device, args, rows)
+        save(args.out, stem("offline", report), report, markdown(report))
+        return report
+
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.model:
             path, dummy = model_dir(name, Path(tmp))
             vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
             prompts, out_lens = workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
             row = {"model": name, "minengine": run_minengine(path, dummy, prompts, out_lens, args)}
+            rows.append(row)
+            write()
             if not args.no_hf:
                 try:
                     row["transformers"] = run_transformers(path, dummy, prompts, out_lens, args)
                 except Exception as exc:  # record why, keep our numbers
                     row["transformers"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            rows.append(row)
+                write()
             print(json.dumps(row), flush=True)
-    report = make_report(argv, "bench_offline", device, args, rows)
-    save(args.out, stem("offline", report), report, markdown(report))
+    report = write()
     print(markdown(report))
     return report
 

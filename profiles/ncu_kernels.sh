@@ -8,13 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p profiles/out
 backends="triton cuda"
-if python -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
+if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
   backends="$backends cuda-wgmma"
 fi
 for backend in $backends; do
   ncu --clock-control none --target-processes all \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
       --kernel-name regex:'attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \
-      python profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt
+      python3 profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt
   echo "wrote profiles/out/ncu_$backend.txt"
 done

@@ -8,9 +8,9 @@ command -v nsys >/dev/null || { echo "nsys not found: use profiles/torch_trace.p
 mkdir -p profiles/out
 PORT=30099
 nsys profile --trace=cuda,nvtx,osrt --sample=none --force-overwrite=true -o profiles/out/serving \
-  python -m minengine.serve --port $PORT --log-level warning "$@" & pid=$!
-until curl -sf 127.0.0.1:$PORT/health >/dev/null; do sleep 1; kill -0 $pid; done
-python benchmarks/bench_serving.py --base-url http://127.0.0.1:$PORT --dataset random --num-prompts 64 \
+  python3 -m minengine.serve --port $PORT --log-level warning "$@" & pid=$!
+until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do sleep 1; kill -0 $pid; done
+python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:$PORT --dataset random --num-prompts 64 \
   --random-input-len 512 --random-output-len 64 --no-progress --out profiles/out
 kill -TERM $pid; wait $pid || true
 nsys stats --report cuda_gpu_kern_sum,nvtx_sum profiles/out/serving.nsys-rep | head -60

@@ -73,6 +73,18 @@ def test_bench_decode_smoke(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_decode_skips_points_the_pool_cannot_hold(tmp_path):
+    """A point whose batch x (context + generated) exceeds the KV pool is recorded as skipped, not
+    measured with fewer requests than it names."""
+    bench = load_bench("bench_decode")
+    report = bench.main(["--smoke", "--max-total-tokens", "64", "--out", str(tmp_path)])
+    small, big = report["rows"]
+    assert small["step_ms"] > 0 and "skipped" not in small
+    assert "step_ms" not in big and big["skipped"].startswith("needs 144 KV tokens, the pool holds 64")
+    assert "| 3 | 16 | skipped: needs 144 KV tokens" in (tmp_path / "decode_smoke.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
 def test_bench_attention_full_grid_smoke(tmp_path):
     bench = load_bench()
     report = bench.main(["--smoke", "--suite", "full", "--cases", "a", "--out", str(tmp_path)])

@@ -7,6 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
+
+pytest.importorskip("nixl")  # before the imports below, which need the server stack (pyzmq) too
+
 from checkpoints import build_checkpoint
 
 from minengine import LLM, SamplingParams
@@ -17,7 +20,6 @@ from minengine.engine import Engine
 from minengine.server.protocol import AddRequest, Bootstrap, FailRoom
 from minengine.server.workers import free_port
 
-pytest.importorskip("nixl")
 PS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
