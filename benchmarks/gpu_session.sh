@@ -26,6 +26,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASE=${1:?phase: tests | kernels | engine | serving | disagg}
 shift
+case $PHASE in
+  tests | kernels | engine | serving | disagg) ;;
+  *) echo "unknown phase $PHASE; allowed: tests kernels engine serving disagg"; exit 2 ;;
+esac
 DEST=${OUT:-benchmarks/results}
 BUDGET=${GPU_PHASE_SECONDS:-550}
 START=$SECONDS
@@ -105,7 +109,6 @@ case $PHASE in
     step pytest_disagg python3 -m pytest -q -m gpu --continue-on-collection-errors tests/test_disagg.py
     step bench_disagg python3 benchmarks/bench_disagg.py --out "$WORK/results"
     ;;
-  *) echo "unknown phase $PHASE; allowed: tests kernels engine serving disagg"; exit 2 ;;
 esac
 pack
 echo "packed $DEST/gpu_${PHASE}.tgz ($(($SECONDS - START)) s)"

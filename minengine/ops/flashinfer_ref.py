@@ -66,7 +66,7 @@ class FlashInferBackend:
     def __init__(self, workspace_bytes: int = WORKSPACE_BYTES):
         self.workspace_bytes = workspace_bytes
         self.workspace: torch.Tensor | None = None
-        self.wrappers: dict[str, object] = {}
+        self.wrappers: dict[object, object] = {}  # "prefill", ("decode", tensor cores)
         self.plans = 0  # plans made (the engine makes one per forward step)
         self._key: tuple | None = None  # what the current plan was made for
         self._metadata: tuple = ()  # weak references to its metadata tensors, with their versions
