@@ -18,6 +18,8 @@
 # A session gets about 30 minutes of device time, start-up included: three phases at most. Order:
 # tests, kernels (the tuning table, FlashInfer ratios, targets), engine; serving and disagg in the
 # next session (`serving backends` first: our kernels against FlashInfer inside the engine).
+# Carry the `base` wheels for tests (FlashInfer's tests then skip: its JIT compiles would take
+# minutes of the phase) and the `flashinfer` ones for kernels and serving.
 #
 # The GPU machine is offline: `bash benchmarks/gpu_wheels.sh [base|flashinfer|disagg]` puts the
 # wheels its image lacks in .whl/ (the server stack, pyzmq, openai; FlashInfer; NIXL for disagg),
