@@ -72,11 +72,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,driver_version --
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$WORK/logs/gpu.csv"
 step build env MINENGINE_BUILD_CUDA=1 python3 setup.py build_ext --inplace  # no nvcc: an error, not a skip
 python3 -c "import minengine._C" 2>&1 | tee -a "$WORK/logs/steps.txt" && echo "minengine._C imports" | tee -a "$WORK/logs/steps.txt"
-KERNEL_TESTS="tests/test_paged_attention.py tests/test_store_kv.py tests/test_gather_input_ids.py tests/test_cuda_kernels.py"
-KERNEL_TESTS="$KERNEL_TESTS tests/test_backend_logits.py"
 
 case $PHASE in
   tests)
+    KERNEL_TESTS="tests/test_paged_attention.py tests/test_store_kv.py tests/test_gather_input_ids.py"
+    KERNEL_TESTS="$KERNEL_TESTS tests/test_cuda_kernels.py tests/test_backend_logits.py"
     # every param of the kernel tests (triton and the real cuda kernels), then the other GPU tests;
     # a module that cannot be collected (a missing wheel) is reported, not fatal
     # shellcheck disable=SC2086

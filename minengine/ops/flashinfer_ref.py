@@ -187,8 +187,3 @@ class FlashInferPagedAttention:
 
     def run(self) -> torch.Tensor:
         return self.backend.run(self.q, self.k_cache, self.v_cache)
-
-
-def paged_attention(*args, **kwargs) -> torch.Tensor:
-    """Our contract through FlashInfer, planned on every call (a host sync): for scripts and tests."""
-    return FlashInferBackend()(*args, **kwargs)
