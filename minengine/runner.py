@@ -4,8 +4,10 @@ Decode inputs are the tokens the previous step sampled. They stay on the device 
 ``token_buffer`` (the future map, one slot per request) and reach ``input_ids`` through
 ``gather_input_ids``; prefill tokens come from the host. All host data of a step (prefill ids,
 positions, slots, block-table rows, lengths) goes to the device at forward entry through pinned
-memory with non-blocking copies. ``launch`` returns at once; ``resolve`` waits for the sampled
-tokens. On CPU the same path simply runs synchronously.
+memory with non-blocking copies. A backend that plans on the host (flashinfer) is handed the host
+lists of that metadata (``KernelSet.stage``), so it never reads the device back. ``launch``
+returns at once; ``resolve`` waits for the sampled tokens. On CPU the same path simply runs
+synchronously.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from minengine.cuda_graph import DecodeGraphs
 from minengine.memory import KVPool, PageTable
 from minengine.memory.kv_pool import to_device
 from minengine.models import CausalLM, ForwardBatch
-from minengine.ops import KernelSet
+from minengine.ops import HostMetadata, KernelSet
 from minengine.profiling import step_range
 from minengine.request import Request
 from minengine.sampler import Sampler
@@ -56,6 +58,7 @@ class ModelRunner:
         ps = self.pool.page_size
         prefill_ids, decode_slots, positions, slots, seq_lens, cu, rows = [], [], [], [], [], [0], []
         logits_rows, samplers = [], []
+        pages = [] if self.kernels.stage is not None else None  # each sequence's pages, for the host plan
         for req, n in batch:
             start = req.num_computed
             if req.prefilling:
@@ -67,6 +70,8 @@ class ModelRunner:
             slots += [req.pages[p // ps] * ps + p % ps for p in span]
             seq_lens.append(start + n)
             cu.append(cu[-1] + n)
+            if pages is not None:
+                pages.append(req.pages[: -(-(start + n) // ps)])
             rows.append(req.slot)
             if start + n == req.num_tokens:  # every known token computed: sample the next
                 logits_rows.append(cu[-1] - 1)
@@ -87,6 +92,8 @@ class ModelRunner:
             max_seqlen_q=max(n for _, n in batch),
             logits_indices=to_device(logits_rows, torch.int64, dev),
         )
+        if pages is not None:
+            self.kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(seq_lens, cu, pages))
         return fb, samplers
 
     def launch(self, fb: ForwardBatch, samplers: list[Request]) -> Launched:

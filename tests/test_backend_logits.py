@@ -2,7 +2,8 @@
 float32 logits: step 1 holds a prefill chunk and a whole prompt, step 2 the chunk's continuation
 over its cached prefix and a decode, with the pages of both sequences scattered over the pool.
 The kernels' own contract tests check them alone; this checks what the model feeds them (strided
-per-layer caches, store_kv before attention, one plan per step for flashinfer) and every row's
+per-layer caches, store_kv before attention, one plan per step for flashinfer, made from the
+host metadata staged as the runner stages it) and every row's
 logits, not just greedy tokens.
 
 On CPU: the torch and Triton (interpreted) backends in float32, and the CUDA kernels through the
@@ -25,7 +26,7 @@ from conftest import HAS_CUDA
 from minengine import LLM
 from minengine.memory import KVPool
 from minengine.models import ForwardBatch
-from minengine.ops import KernelSet, get_kernels
+from minengine.ops import HostMetadata, KernelSet, get_kernels
 from minengine.ops.testing import relative_error
 
 PAGE = 4
@@ -74,6 +75,9 @@ def teacher_forced(model, kernels: KernelSet, seqs, dtype, device) -> list[torch
             block_tables=table.to(device), seq_lens=t(lens, torch.int32), cu_seqlens_q=t(cu, torch.int32),
             max_seqlen_q=max(end - start for _, start, end in step), logits_indices=t(range(len(ids)), torch.int64),
         )  # fmt: skip
+        if kernels.stage is not None:  # as the runner does
+            used = [pages[s][: -(-end // PAGE)] for s, _, end in step]
+            kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(lens, cu, used))
         logits = model(fb, pool.layers, kernels)
         for (s, _, _), lo, hi in zip(step, cu, cu[1:], strict=False):
             out[s].append(logits[lo:hi].float().cpu())
@@ -138,3 +142,5 @@ def test_backend_logits_gpu(backend, checkpoint, sequences):
     else:
         kernels = get_kernels(backend, "cuda")
     check_backend(checkpoint, sequences, kernels, "float16", "cuda", 2e-2)
+    if backend == "flashinfer":  # one plan per step, each from the staged host metadata
+        assert kernels.paged_attention.plans == kernels.paged_attention.host_plans == 2

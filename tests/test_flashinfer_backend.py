@@ -1,8 +1,9 @@
 """The ``flashinfer`` backend's own logic on CPU, with FlashInfer replaced by a stand-in that has the
 wrappers' plan/run signatures and computes what FlashInfer computes from the CSR page layout
 (float64 torch): our metadata -> (indptr, indices, last_page_len), decode vs prefill wrapper,
-one plan per forward step, padding rows. The real FlashInfer runs in the GPU tests
-(``test_gpu_kernels.py::test_agrees_with_flashinfer``, ``test_gpu_engine.py``).
+one plan per forward step, planning from the runner's staged host metadata, padding rows. The
+real FlashInfer runs in the GPU tests (``test_gpu_kernels.py::test_agrees_with_flashinfer``,
+``test_backend_logits.py::test_backend_logits_gpu``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from minengine import LLM, SamplingParams
-from minengine.ops import flashinfer_ref, reference
+from minengine.ops import HostMetadata, flashinfer_ref, reference
 from minengine.ops.testing import make_paged_batch, relative_error
 
 
@@ -111,6 +112,52 @@ def test_csr_pages_layout():
     assert indptr.dtype == indices.dtype == last.dtype == torch.int32
 
 
+def host_metadata(batch, page_size: int) -> HostMetadata:
+    """The host lists a runner would stage for ``batch``."""
+    lens = batch.seq_lens_host
+    tables = batch.block_tables.tolist()
+    pages = [row[: -(-n // page_size)] for row, n in zip(tables, lens, strict=False)]
+    return HostMetadata(list(lens), batch.cu_seqlens_q.tolist(), pages)
+
+
+def test_csr_from_host_matches_csr_pages():
+    rng = random.Random()
+    for _ in range(20):
+        n, page = rng.randint(1, 6), rng.choice([1, 3, 4, 16])
+        q_lens = [rng.randint(0, 5) for _ in range(n)]
+        kv_lens = [q + rng.randint(0, 40) for q in q_lens]
+        batch = make_paged_batch(q_lens, kv_lens, num_q_heads=2, num_kv_heads=1, head_dim=16, page_size=page,
+                                 dtype=torch.float32)  # fmt: skip
+        want = flashinfer_ref.csr_pages(batch.block_tables, batch.seq_lens, page)
+        got = flashinfer_ref.csr_from_host(host_metadata(batch, page), page)
+        assert [t.tolist() for t in want] == list(got), (q_lens, kv_lens, page)
+    bad = HostMetadata([9, 4], [0, 1, 2], [[3, 5], [7]])  # 9 keys at page 4 need 3 pages
+    with pytest.raises(ValueError, match="sequence 0: 2 pages staged for 9 keys at page_size 4"):
+        flashinfer_ref.csr_from_host(bad, 4)
+
+
+def test_plans_from_staged_host_metadata(fake_flashinfer, monkeypatch):
+    """Staged metadata is planned from without reading the tensors; metadata staged for other
+    tensor objects (or for these before an in-place change) is not used."""
+    batch = make_paged_batch([3, 1, 2], [10, 6, 2], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                             dtype=torch.float32, num_tokens=8)  # fmt: skip
+    backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+    _, _, _, tables, lens, cu, _ = batch.args()
+    backend.stage(tables, lens, cu, host_metadata(batch, 4))
+    with monkeypatch.context() as m:
+        m.setattr(flashinfer_ref, "csr_pages", lambda *a: pytest.fail("read the device metadata back"))
+        out = backend(*batch.args())
+    assert backend.plans == backend.host_plans == 1
+    want = reference.paged_attention(*batch.to_float64())
+    assert relative_error(out, want) < 1e-5 and not out[6:].any()
+    lens.add_(0)  # in place: same object, new version; the staged copy may be stale
+    backend(*batch.args())
+    assert (backend.plans, backend.host_plans) == (2, 1)
+    backend.stage(tables, lens.clone(), cu, host_metadata(batch, 4))  # staged for another tensor
+    backend(*batch.args())
+    assert (backend.plans, backend.host_plans) == (2, 1)  # the current plan still fits: reused
+
+
 @pytest.mark.parametrize("decode_only", [True, False])
 def test_backend_matches_reference(decode_only, fake_flashinfer):
     rng = random.Random()
@@ -181,17 +228,21 @@ def test_one_plan_per_batch(fake_flashinfer):
     assert backend.plans == 4
 
 
-def test_engine_runs_on_the_flashinfer_backend(fake_flashinfer):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_engine_runs_on_the_flashinfer_backend(overlap, fake_flashinfer, monkeypatch):
     """The engine on the flashinfer backend: greedy tokens as with the torch backend, one plan per
-    forward step (not per layer)."""
+    forward step (not per layer), every plan from the runner's staged host metadata (never a read
+    of the device metadata), overlap scheduling on or off."""
     prompts = [[5, 9, 2, 7, 1, 3], [8, 8, 4], list(range(10, 30))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    config = dict(device="cpu", dtype="float32", page_size=4, chunked_prefill_size=16)
+    config = dict(device="cpu", dtype="float32", page_size=4, chunked_prefill_size=16,
+                  disable_overlap_schedule=not overlap)  # fmt: skip
     want = [o.token_ids for o in LLM("tiny", attention_backend="torch", **config).generate(prompts, params)]
     llm = LLM("tiny", attention_backend="flashinfer", **config)
+    monkeypatch.setattr(flashinfer_ref, "csr_pages", lambda *a: pytest.fail("read the device metadata back"))
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     backend = llm.engine.runner.kernels.paged_attention
     assert isinstance(backend, flashinfer_ref.FlashInferBackend)
     layers = llm.engine.model_config.num_layers
-    assert layers > 1 and 0 < backend.plans == len(_Wrapper.plans)
+    assert layers > 1 and 0 < backend.plans == backend.host_plans == len(_Wrapper.plans)
     assert _Wrapper.runs == backend.plans * layers  # each step's plan serves all its layers

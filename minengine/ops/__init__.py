@@ -6,7 +6,7 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
 - ``triton``: ``triton_kernels`` (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 - ``cuda``: the CUDA C++ kernels of ``minengine._C`` (GPU; built when nvcc is found);
 - ``flashinfer``: FlashInfer's paged attention behind our contract, planned once per forward
-  step (GPU, optional import);
+  step from the runner's host copy of the metadata (GPU, optional import);
 - ``auto``: on CUDA, ``triton``, ``cuda`` or ``cuda-wgmma`` (the cuda kernel with Hopper wgmma
   prefill tiles) chosen per call shape from the device's committed
   tuning table (``tuning.py``; backend name ``tuned``), or ``triton`` where the device has none
@@ -20,15 +20,30 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+
+@dataclass(frozen=True)
+class HostMetadata:
+    """A step's attention metadata as the host built it: what ``seq_lens``, ``cu_seqlens_q`` and
+    the used part of ``block_tables`` hold on the device. A backend that plans on the host
+    (flashinfer) reads these instead of copying the device tensors back (a sync)."""
+
+    seq_lens: list[int]
+    cu_seqlens_q: list[int]
+    pages: list[list[int]]  # sequence b's first ceil(seq_lens[b] / page_size) pages, in order
 
 
 class KernelSet(NamedTuple):
     paged_attention: Callable[..., torch.Tensor]
     store_kv: Callable[..., None]
     gather_input_ids: Callable[..., torch.Tensor]
+    # stage(block_tables, seq_lens, cu_seqlens_q, host): the runner hands over the host copy of the
+    # metadata tensors the next paged_attention calls pass (None: the backend needs none)
+    stage: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HostMetadata], None] | None = None
 
 
 def _torch_kernels() -> KernelSet:
@@ -50,13 +65,15 @@ def _cuda_kernels() -> KernelSet:
 
 
 def _flashinfer_kernels() -> KernelSet:
-    """FlashInfer's attention (one workspace and plan per forward step); our store and gather."""
+    """FlashInfer's attention (one workspace and plan per forward step, from the staged host
+    metadata); our store and gather."""
     import triton_kernels
     from minengine.ops import flashinfer_ref
 
     if not flashinfer_ref.available():
         raise RuntimeError("the flashinfer backend needs flashinfer-python and a CUDA GPU")
-    return KernelSet(flashinfer_ref.FlashInferBackend(), triton_kernels.store_kv, triton_kernels.gather_input_ids)
+    backend = flashinfer_ref.FlashInferBackend()
+    return KernelSet(backend, triton_kernels.store_kv, triton_kernels.gather_input_ids, backend.stage)
 
 
 def _tuning_table(device: torch.device) -> dict[str, str] | None:
@@ -125,6 +142,7 @@ def gather_input_ids(prefill_ids: torch.Tensor, *args, backend: str = "auto", **
 
 __all__ = [
     "BACKEND_NAMES",
+    "HostMetadata",
     "KernelSet",
     "gather_input_ids",
     "get_kernels",

@@ -8,17 +8,27 @@ when every sequence has one query token, else the prefill (append) wrapper with 
 
 The engine backend (``FlashInferBackend``) keeps one workspace and one wrapper of each kind per
 device and plans once per forward step, as vLLM and SGLang do: every layer of a step passes the
-same metadata tensors, so the first layer's call plans and the others reuse the plan. Planning
-reads the metadata back to the host (one device sync per step), so this backend gains nothing
-from overlap scheduling, and it runs eagerly (no CUDA graphs: the engine captures only backends
-without host work).
+same metadata tensors, so the first layer's call plans and the others reuse the plan. The runner
+stages the host lists it built those tensors from (``stage``), so the plan never reads the device
+back and the step stays asynchronous (overlap scheduling works); metadata nobody staged is copied
+back instead (a sync). It runs eagerly: the engine captures CUDA graphs only for backends without
+host work.
+
+FlashInfer's plan writes its schedule into one pinned host buffer per wrapper and copies it to
+the device asynchronously; a plan made while the previous plan's copy is still queued (overlap
+scheduling: step N + 1 is planned while step N runs) would overwrite it before it is read. Each
+plan therefore waits for the previous plan's copies (an event recorded after them), which the
+device has almost always executed by then.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
+
+from minengine.ops import HostMetadata
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV partials), as in vLLM
 
@@ -58,6 +68,25 @@ def csr_pages(
     return indptr.to(torch.int32), indices.to(torch.int32), last.to(torch.int32)
 
 
+def csr_from_host(host: HostMetadata, page_size: int) -> tuple[list[int], list[int], list[int]]:
+    """``csr_pages`` of staged host metadata, as lists (no device read)."""
+    counts = [len(pages) for pages in host.pages]
+    for b, (n, length) in enumerate(zip(counts, host.seq_lens, strict=True)):
+        if n != -(-length // page_size):
+            raise ValueError(f"sequence {b}: {n} pages staged for {length} keys at page_size {page_size}")
+    indptr = [0, *itertools.accumulate(counts)]
+    indices = list(itertools.chain.from_iterable(host.pages))
+    last = [length - (n - 1) * page_size if n else 0 for n, length in zip(counts, host.seq_lens, strict=True)]
+    return indptr, indices, last
+
+
+def _host_int32(values, pin: bool) -> torch.Tensor:
+    """An int32 host tensor, pinned for a GPU plan: FlashInfer's non-blocking copies of it are then
+    truly asynchronous, and torch keeps the pinned block until they have run."""
+    t = values.to(torch.int32) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int32)
+    return t.pin_memory() if pin else t
+
+
 class FlashInferBackend:
     """``paged_attention`` through FlashInfer for one device: one workspace, a decode and a prefill
     wrapper made on first use, and a plan made once per distinct batch (the same metadata tensor
@@ -72,6 +101,9 @@ class FlashInferBackend:
         self._metadata: tuple = ()  # weak references to its metadata tensors, with their versions
         self._wrapper = None
         self._rows = 0  # query rows the plan covers (cu_seqlens_q[-1]); rows past it are padding
+        self._staged: tuple[tuple, HostMetadata] | None = None  # (metadata refs, their host copy)
+        self._planned = None  # CUDA event after the last plan's host-to-device copies
+        self.host_plans = 0  # plans made from staged host metadata (no device read)
 
     def _wrapper_for(self, kind: str, group: int, device: torch.device):
         """The decode wrapper (on tensor cores for GQA groups above 4, as vLLM does: FlashInfer's
@@ -93,12 +125,28 @@ class FlashInferBackend:
             self.wrappers["prefill"] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         return self.wrappers["prefill"]
 
-    def _planned_for(self, key: tuple, metadata: tuple[torch.Tensor, ...]) -> bool:
-        """Whether the current plan is for these metadata tensor objects, unchanged since (by their
-        version counters: writes through raw pointers, outside torch, are not seen)."""
-        if key != self._key or len(metadata) != len(self._metadata):
+    @staticmethod
+    def _refs(metadata: tuple[torch.Tensor, ...]) -> tuple:
+        """Weak references to metadata tensors with their versions; () for tensors made in inference
+        mode, which keep no version counter (nothing made from them can be reused)."""
+        if any(t.is_inference() for t in metadata):
+            return ()
+        return tuple((weakref.ref(t), t._version) for t in metadata)
+
+    @staticmethod
+    def _same(metadata: tuple[torch.Tensor, ...], refs: tuple) -> bool:
+        """Whether ``refs`` are of these tensor objects, unchanged since (by their version counters:
+        writes through raw pointers, outside torch, are not seen)."""
+        if len(metadata) != len(refs):
             return False
-        return all(ref() is t and t._version == v for t, (ref, v) in zip(metadata, self._metadata, strict=True))
+        return all(ref() is t and t._version == v for t, (ref, v) in zip(metadata, refs, strict=True))
+
+    def stage(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, host: HostMetadata
+    ) -> None:
+        """The host lists these metadata tensors were made from: the plan for them reads these."""
+        refs = self._refs((block_tables, seq_lens, cu_seqlens_q))
+        self._staged = (refs, host) if refs else None
 
     def plan(
         self,
@@ -109,28 +157,40 @@ class FlashInferBackend:
         cu_seqlens_q: torch.Tensor,
         softmax_scale: float | None = None,
     ) -> None:
-        """Plan for this batch unless the current plan is for it already (a device sync when it plans)."""
+        """Plan for this batch unless the current plan is for it already: from the staged host
+        metadata when it is for these tensors, else from the tensors read back (a device sync)."""
         _, page_size, hkv, d = k_cache.shape
         hq = q.shape[1]
         scale = softmax_scale if softmax_scale is not None else d**-0.5
         key = (q.device, q.dtype, k_cache.dtype, page_size, hkv, d, hq, scale)
         metadata = (block_tables, seq_lens, cu_seqlens_q)
-        if self._planned_for(key, metadata):
+        if key == self._key and self._same(metadata, self._metadata):
             return
-        cu = cu_seqlens_q.cpu()
-        indptr, indices, last = csr_pages(block_tables, seq_lens, page_size)  # host: plan reads them there
-        decode_only = bool(((cu[1:] - cu[:-1]) == 1).all())
+        pin = q.device.type == "cuda"
+        if self._staged is not None and self._same(metadata, self._staged[0]):
+            host = self._staged[1]
+            cu = host.cu_seqlens_q
+            indptr, indices, last = (_host_int32(x, pin) for x in csr_from_host(host, page_size))
+            self.host_plans += 1
+        else:  # not staged: read the metadata back (a sync)
+            cu = cu_seqlens_q.tolist()
+            indptr, indices, last = (_host_int32(x, pin) for x in csr_pages(block_tables, seq_lens, page_size))
+        decode_only = all(hi - lo == 1 for lo, hi in zip(cu, cu[1:], strict=False))
         wrapper = self._wrapper_for("decode" if decode_only else "prefill", hq // hkv, q.device)
         common = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        if self._planned is not None:
+            self._planned.synchronize()  # the last plan's copies have read its pinned buffers
         if decode_only:
             wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, **common)
         else:
-            wrapper.plan(cu.to(torch.int32), indptr, indices, last, hq, hkv, d, page_size, causal=True, **common)
-        self._wrapper, self._rows = wrapper, int(cu[-1])
-        # tensors made in inference mode keep no version counter: plan again on every call for them
-        cacheable = not any(t.is_inference() for t in metadata)
-        self._metadata = tuple((weakref.ref(t), t._version) for t in metadata) if cacheable else ()
-        self._key = key if cacheable else None
+            qo_indptr = _host_int32(cu, pin)
+            wrapper.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=True, **common)
+        if pin:
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+        self._wrapper, self._rows = wrapper, cu[-1]
+        self._metadata = self._refs(metadata)
+        self._key = key if self._metadata else None
         self.plans += 1
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
