@@ -14,13 +14,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 _CLOCK_KEYS = ("driver", "nvml")
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 def device_info(device: torch.device) -> dict[str, object]:
     import triton
 
     from minengine.ops import flashinfer_ref
 
     info: dict[str, object] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "flashinfer": flashinfer_ref.version(),
@@ -52,16 +63,16 @@ def header(title: str, report: dict) -> list[str]:
     """Markdown lines: title, command, date, versions, clocks."""
     info = report["info"]
     versions = ("torch", "triton", "transformers", "flashinfer", "python")
-    return [
+    lines = [
         f"# {title}: {info['device']}",
         "",
         *(["**Smoke run: tiny shapes, timings meaningless.**", ""] if report["config"].get("smoke") else []),
         f"- command: `{report['command']}`",
         f"- date (UTC): {report['date']}",
         "- versions: " + ", ".join(f"{k} {info[k]}" for k in versions if k in info),
-        "- clocks: "
-        + ", ".join(f"{k} {v}" for k, v in info.items() if k.startswith("clock_") or k in ("driver", "nvml")),
     ]
+    clocks = ", ".join(f"{k} {v}" for k, v in info.items() if k.startswith("clock_") or k in ("driver", "nvml"))
+    return lines + ([f"- clocks: {clocks}"] if clocks else [])
 
 
 def now() -> str:

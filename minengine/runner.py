@@ -18,7 +18,7 @@ import torch
 
 from minengine.cuda_graph import DecodeGraphs
 from minengine.memory import KVPool, PageTable
-from minengine.memory.kv_pool import to_device
+from minengine.memory.kv_pool import to_device, to_device_packed
 from minengine.models import CausalLM, ForwardBatch
 from minengine.ops import HostMetadata, KernelSet
 from minengine.profiling import step_range
@@ -61,36 +61,42 @@ class ModelRunner:
         pages = [] if self.kernels.stage is not None else None  # each sequence's pages, for the host plan
         for req, n in batch:
             start = req.num_computed
+            end = start + n
             if req.prefilling:
-                prefill_ids += req.token_ids[start : start + n]
+                prefill_ids += req.token_ids[start:end]
             else:  # a decode: its input is the last sampled token, maybe still on the device only
                 decode_slots.append(req.slot)
-            span = range(start, start + n)
-            positions += span
-            slots += [req.pages[p // ps] * ps + p % ps for p in span]
-            seq_lens.append(start + n)
+            if n == 1:
+                positions.append(start)
+                slots.append(req.pages[start // ps] * ps + start % ps)
+            else:
+                positions += range(start, end)
+                slots += [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
+            seq_lens.append(end)
             cu.append(cu[-1] + n)
             if pages is not None:
-                pages.append(req.pages[: -(-(start + n) // ps)])
+                pages.append(req.pages[: -(-end // ps)])
             rows.append(req.slot)
-            if start + n == req.num_tokens:  # every known token computed: sample the next
+            if end == req.num_tokens:  # every known token computed: sample the next
                 logits_rows.append(cu[-1] - 1)
                 samplers.append(req)
 
         dev = self.device
         self.page_table.flush()
-        input_ids = self.kernels.gather_input_ids(
-            to_device(prefill_ids, torch.int64, dev), self.token_buffer, to_device(decode_slots, torch.int64, dev)
+        # two pinned buffers and two copies for the whole step, not one per list
+        prefill_t, decode_t, positions_t, slots_t, rows_t, logits_t = to_device_packed(
+            [prefill_ids, decode_slots, positions, slots, rows, logits_rows], torch.int64, dev
         )
+        seq_lens_t, cu_t = to_device_packed([seq_lens, cu], torch.int32, dev)
         fb = ForwardBatch(
-            input_ids=input_ids,
-            positions=to_device(positions, torch.int64, dev),
-            slot_mapping=to_device(slots, torch.int64, dev),
-            block_tables=self.page_table.table[to_device(rows, torch.int64, dev)],
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            cu_seqlens_q=to_device(cu, torch.int32, dev),
+            input_ids=self.kernels.gather_input_ids(prefill_t, self.token_buffer, decode_t),
+            positions=positions_t,
+            slot_mapping=slots_t,
+            block_tables=self.page_table.table[rows_t],
+            seq_lens=seq_lens_t,
+            cu_seqlens_q=cu_t,
             max_seqlen_q=max(n for _, n in batch),
-            logits_indices=to_device(logits_rows, torch.int64, dev),
+            logits_indices=logits_t,
         )
         if pages is not None:
             self.kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(seq_lens, cu, pages))

@@ -139,3 +139,16 @@ def test_version_moves_only_when_pages_enter_or_leave():
     assert cache.insert([1, 1, 2, 2], alloc.alloc(2)) == 4 and cache.version == v1  # nothing new
     cache.evict(10)
     assert cache.version > v1
+
+
+def test_to_device_packed_splits_one_buffer_in_order():
+    import torch
+
+    from minengine.memory.kv_pool import to_device_packed
+
+    lists = [[3, 1], [], [7], [2**40, -5, 0]]
+    views = to_device_packed(lists, torch.int64, torch.device("cpu"))
+    assert [v.tolist() for v in views] == lists
+    assert all(v.dtype == torch.int64 and v.is_contiguous() for v in views)
+    (a,) = to_device_packed([[1, 2]], torch.int32, torch.device("cpu"))
+    assert a.dtype == torch.int32 and a.tolist() == [1, 2]

@@ -6,6 +6,8 @@ strided views of it (the kernels take strides).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -61,6 +63,13 @@ class PageTable:
         pages = to_device(list(self._pending.values()), torch.int32, device)
         self.table.index_put_((index[0], index[1]), pages)
         self._pending = {}
+
+
+def to_device_packed(lists: list[list], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Several host lists on the device through one buffer (one pinned, non-blocking copy on CUDA):
+    contiguous views of it, in order."""
+    flat = to_device(list(itertools.chain.from_iterable(lists)), dtype, device)
+    return list(flat.split([len(values) for values in lists]))
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -15,10 +15,12 @@ prefix cache count as available: they are evicted on demand.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class RunningInfo:
+# NOTE: the per-request records are NamedTuples (immutable, and about 2x cheaper to build than
+# frozen dataclasses: the scheduler builds one per running request every step).
+class RunningInfo(NamedTuple):
     rid: int
     num_pending: int  # tokens known but not yet in the KV cache
     prefilling: bool
@@ -28,8 +30,7 @@ class RunningInfo:
 
 # NOTE: two waiting requests sharing an unlocked cached prefix each count its pages in
 # ``pinned_pages``; admitting both pins them once. The check is conservative, never optimistic.
-@dataclass(frozen=True)
-class WaitingInfo:
+class WaitingInfo(NamedTuple):
     rid: int
     num_pending: int  # prompt tokens not covered by the cached prefix
     cached_pages: int  # pages the prefix cache already holds for it

@@ -66,9 +66,9 @@ class Scheduler:
         limit = self.max_running if self.delayer is not None else self.max_running - len(self.running)
         candidates = list(itertools.islice(self.waiting, max(0, limit)))
         matches = {req.rid: self._match(req) for req in candidates}
+        ps = self.page_size
         running = [
-            RunningInfo(r.rid, r.num_pending, r.prefilling, len(r.pages), self.pages_for(r.max_len))
-            for r in self.running
+            RunningInfo(r.rid, r.num_pending, r.prefilling, len(r.pages), -(-r.max_len // ps)) for r in self.running
         ]
         running += self._reservations(self.receiving)
         waiting = [
@@ -98,10 +98,13 @@ class Scheduler:
             assert req.rid == rid, "the policy admits in arrival order"
             self._admit(req, *matches[rid])
             by_rid[rid] = req
-        batch = [(by_rid[rid], n) for rid, n in (*plan.running, *plan.admitted) if n > 0]
-        for req, n in batch:
-            self._grow(req, req.num_computed + n)
-        return sorted(batch, key=lambda entry: not entry[0].prefilling)  # stable: prefills first
+        prefills, decodes = [], []
+        for rid, n in (*plan.running, *plan.admitted):
+            if n > 0:
+                req = by_rid[rid]
+                self._grow(req, req.num_computed + n)
+                (prefills if req.prefilling else decodes).append((req, n))
+        return prefills + decodes
 
     def advance(self, batch: list[tuple[Request, int]]) -> None:
         """At launch: the batch's KV is being written, its sampling requests have a token coming.
