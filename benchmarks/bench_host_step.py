@@ -9,8 +9,12 @@ small launches around the forward remain. Medians over rounds, in ms per step:
 - schedule: the policy over every running request, page allocation;
 - prepare: the step's input lists and their host-to-device copies;
 - launch: the stub forward, sampling, the token copy back;
-- commit: appending the tokens, stop checks (and incremental detokenization with ``detokenize``,
-  the offline ``LLM`` path; the server detokenizes in its front end process).
+- commit: appending the tokens, stop checks.
+
+Three text modes: ``server`` (the scheduler makes no text: the server's front end process
+detokenizes), ``offline`` (the ``LLM`` path without stop strings: the output is decoded once, when
+a request ends, so no step pays for it) and ``stop strings`` (the ``LLM`` path with a stop string:
+incremental detokenization on every token).
 
     python benchmarks/bench_host_step.py                        # batches 1 16 64 256, this device
     python benchmarks/bench_host_step.py --smoke --out /tmp/b   # checks the script
@@ -29,6 +33,7 @@ from _common import RESULTS, header, save, stem
 from _common import report as make_report
 
 PHASES = ("schedule", "prepare", "launch", "commit")
+MODES = ("server", "offline", "stop strings")
 
 
 class StubModel(torch.nn.Module):
@@ -57,7 +62,7 @@ def timed(phase_ms: dict[str, float], name: str, fn):
     return wrapper
 
 
-def measure(batch: int, detokenize: bool, steps: int, repeats: int, warmup: int, device: str, prompt_len: int) -> dict:
+def measure(batch: int, mode: str, steps: int, repeats: int, warmup: int, device: str, prompt_len: int) -> dict:
     from minengine.config import EngineConfig
     from minengine.engine import Engine
     from minengine.sampling_params import SamplingParams
@@ -68,10 +73,11 @@ def measure(batch: int, detokenize: bool, steps: int, repeats: int, warmup: int,
         model="tiny", device=device, max_running_requests=batch, max_total_tokens=batch * (per_request + 16),
         context_length=per_request + 16, disable_cuda_graph=True,
     )  # fmt: skip
-    engine = Engine(cfg, detokenize=detokenize)
+    engine = Engine(cfg, detokenize=mode != "server")
     letters = engine.tokenizer.encode("abcdefghijklmnopqrstuvwxyz", add_special_tokens=False)
     engine.runner.model = StubModel(engine.model_config.vocab_size, batch, engine.device, letters)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    stop = ["\x00never"] if mode == "stop strings" else None
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop)
     vocab = engine.model_config.vocab_size
     for i in range(batch):
         engine.add_request([(i * 31 + j * 7) % (vocab - 1) + 1 for j in range(prompt_len)], params)
@@ -99,11 +105,11 @@ def measure(batch: int, detokenize: bool, steps: int, repeats: int, warmup: int,
         rounds.append(
             {"step_ms": (time.perf_counter() - start) * 1e3 / steps} | {p: phase_ms[p] / steps for p in PHASES}
         )
-    if detokenize:  # the stub's tokens became text: row 0 decodes "a" every step
+    if mode == "stop strings":  # the stub's tokens became text: row 0 decodes "a" every step
         assert engine.scheduler.running[0].text.endswith("aaaa")
     engine.shutdown()
     median = lambda key: statistics.median(r[key] for r in rounds)  # noqa: E731
-    row = {"batch": batch, "detokenize": detokenize, "step_ms": median("step_ms")}
+    row = {"batch": batch, "text": mode, "step_ms": median("step_ms")}
     row.update({f"{p}_ms": median(p) for p in PHASES})
     row["us_per_request"] = row["step_ms"] * 1e3 / batch
     row["rounds_step_ms"] = [r["step_ms"] for r in rounds]
@@ -116,15 +122,12 @@ def markdown(report: dict) -> str:
     lines += [
         f"- host CPUs: {report['cpus']}; medians of {cfg['repeats']} rounds of {cfg['steps']} decode steps",
         "",
-        "| batch | detokenize | step ms | schedule | prepare | launch | commit | us / request |",
+        "| batch | text | step ms | schedule | prepare | launch | commit | us / request |",
         "|---:|:---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         phases = " | ".join(f"{r[f'{p}_ms']:.3f}" for p in PHASES)
-        lines.append(
-            f"| {r['batch']} | {'yes' if r['detokenize'] else 'no'} | {r['step_ms']:.3f} | {phases} | "
-            f"{r['us_per_request']:.1f} |"
-        )
+        lines.append(f"| {r['batch']} | {r['text']} | {r['step_ms']:.3f} | {phases} | {r['us_per_request']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -149,8 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for batch in args.batch:
-        for detokenize in (False, True):
-            rows.append(measure(batch, detokenize, args.steps, args.repeats, args.warmup, device, args.prompt_len))
+        for mode in MODES:
+            rows.append(measure(batch, mode, args.steps, args.repeats, args.warmup, device, args.prompt_len))
             print(rows[-1], flush=True)
     report = make_report(argv, "bench_host_step", torch.device(device), args, rows, cpus=os.cpu_count())
     text = markdown(report)

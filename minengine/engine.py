@@ -235,18 +235,22 @@ class Engine:
         }
 
     def stop_reason(self, req: Request) -> str | None:
-        """Why ``req`` stops after its newest token (None: it goes on)."""
+        """Why ``req`` stops after its newest token (None: it goes on). Text is made token by token
+        only for stop strings; without them the output is decoded once, when it ends."""
         token, p = req.token_ids[-1], req.params
-        if req.detok is not None:
+        incremental = req.detok is not None and bool(p.stop_strings)
+        if incremental:
             req.detok.add([token])
         eos = not p.ignore_eos and token in self.eos_token_ids
-        stop_string = req.detok is not None and req.detok.stopped
+        stop_string = incremental and req.detok.stopped
         reason = None
         if eos or token in (p.stop_token_ids or ()) or stop_string:
             reason = "stop"
         elif len(req.token_ids) >= req.max_len:
             reason = "length"
         if reason is not None and req.detok is not None:
+            if not incremental:
+                req.detok.add(req.output_ids)
             req.detok.finish()
         return reason
 

@@ -48,6 +48,8 @@ class Request:
 
     @property
     def text(self) -> str:
+        """The output text: complete once the request finished (while it runs, only a request with
+        stop strings has its text so far; the engine decodes the others once, at the end)."""
         return self.detok.text if self.detok is not None else ""
 
     @property

@@ -75,11 +75,11 @@ def test_bench_decode_smoke(tmp_path):
 def test_bench_host_step_smoke(tmp_path):
     bench = load_bench("bench_host_step")
     report = bench.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)])
-    assert [(r["batch"], r["detokenize"]) for r in report["rows"]] == [(1, False), (1, True), (4, False), (4, True)]
+    assert [(r["batch"], r["text"]) for r in report["rows"]] == [(b, m) for b in (1, 4) for m in bench.MODES]
     for r in report["rows"]:
         assert len(r["rounds_step_ms"]) == 2 and r["step_ms"] > 0
         assert sum(r[f"{p}_ms"] for p in bench.PHASES) <= r["step_ms"] * 1.5  # phases are parts of a step
-    assert "| 4 | yes |" in (tmp_path / "host_step_smoke.md").read_text()
+    assert "| 4 | stop strings |" in (tmp_path / "host_step_smoke.md").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")

@@ -144,6 +144,23 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert stop not in out.text
 
 
+def test_text_is_decoded_once_without_stop_strings(llm):
+    """Without stop strings the engine decodes a request's output once, when it ends; with one, token
+    by token. Either way the text is the decode of the output."""
+    plain = gen(llm, "text test", max_tokens=10, ignore_eos=True)
+    assert plain.text == llm.tokenizer.decode(plain.token_ids)
+    streamed = gen(llm, "text test", max_tokens=10, ignore_eos=True, stop=["\x00never"])
+    assert streamed.token_ids == plain.token_ids and streamed.text == plain.text
+    engine = llm.engine
+    req = engine.add_request(llm.tokenizer.encode("text test"), SamplingParams(max_tokens=6, ignore_eos=True))
+    while not req.finished:
+        assert req.detok.ids == []  # no per-token work while it runs
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert req.text == llm.tokenizer.decode(req.output_ids) and len(req.output_ids) == 6
+
+
 def test_max_tokens_gives_length(llm):
     out = llm.generate("abc", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
