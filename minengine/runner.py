@@ -58,7 +58,6 @@ class ModelRunner:
         ps = self.pool.page_size
         prefill_ids, decode_slots, positions, slots, seq_lens, cu, rows = [], [], [], [], [], [0], []
         logits_rows, samplers = [], []
-        pages = [] if self.kernels.stage is not None else None  # each sequence's pages, for the host plan
         for req, n in batch:
             start = req.num_computed
             end = start + n
@@ -74,8 +73,6 @@ class ModelRunner:
                 slots += [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
             seq_lens.append(end)
             cu.append(cu[-1] + n)
-            if pages is not None:
-                pages.append(req.pages[: -(-end // ps)])
             rows.append(req.slot)
             if end == req.num_tokens:  # every known token computed: sample the next
                 logits_rows.append(cu[-1] - 1)
@@ -98,8 +95,8 @@ class ModelRunner:
             max_seqlen_q=max(n for _, n in batch),
             logits_indices=logits_t,
         )
-        if pages is not None:
-            self.kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(seq_lens, cu, pages))
+        if self.kernels.stage is not None:
+            self.kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(seq_lens, cu))
         return fb, samplers
 
     def launch(self, fb: ForwardBatch, samplers: list[Request]) -> Launched:

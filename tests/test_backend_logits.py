@@ -76,8 +76,7 @@ def teacher_forced(model, kernels: KernelSet, seqs, dtype, device) -> list[torch
             max_seqlen_q=max(end - start for _, start, end in step), logits_indices=t(range(len(ids)), torch.int64),
         )  # fmt: skip
         if kernels.stage is not None:  # as the runner does
-            used = [pages[s][: -(-end // PAGE)] for s, _, end in step]
-            kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(lens, cu, used))
+            kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(lens, cu))
         logits = model(fb, pool.layers, kernels)
         for (s, _, _), lo, hi in zip(step, cu, cu[1:], strict=False):
             out[s].append(logits[lo:hi].float().cpu())

@@ -46,7 +46,7 @@ class _Wrapper:
         self.tensor_cores = use_tensor_cores
 
     def _plan(self, qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale):
-        for t in (qo_indptr, indptr, indices, last):
+        for t in (qo_indptr, indptr, indices, last):  # indices may live on the GPU: plan only moves it there
             assert t.dtype == torch.int32 and t.device.type == "cpu"  # host: plan reads them there
         if isinstance(self, BatchDecodeWithPagedKVCacheWrapper) and not self.tensor_cores:
             assert num_qo_heads // num_kv_heads in (1, 2, 3, 4, 6, 8), "FlashInfer's CUDA-core decode"
@@ -83,6 +83,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, **kw,
     ):  # fmt: skip
         assert causal, "our contract is causal"
+        if kw.get("seq_lens") is not None:  # must agree with the page layout
+            counts = (paged_kv_indptr[1:] - paged_kv_indptr[:-1]).tolist()
+            last = paged_kv_last_page_len.tolist()
+            want = [(n - 1) * page_size + x if n else 0 for n, x in zip(counts, last, strict=True)]
+            assert kw["seq_lens"].dtype == torch.int32 and kw["seq_lens"].tolist() == want
         args = qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len
         self._plan(*args, num_qo_heads, num_kv_heads, head_dim_qk, page_size, **kw_of(kw))
 
@@ -112,12 +117,9 @@ def test_csr_pages_layout():
     assert indptr.dtype == indices.dtype == last.dtype == torch.int32
 
 
-def host_metadata(batch, page_size: int) -> HostMetadata:
+def host_metadata(batch) -> HostMetadata:
     """The host lists a runner would stage for ``batch``."""
-    lens = batch.seq_lens_host
-    tables = batch.block_tables.tolist()
-    pages = [row[: -(-n // page_size)] for row, n in zip(tables, lens, strict=False)]
-    return HostMetadata(list(lens), batch.cu_seqlens_q.tolist(), pages)
+    return HostMetadata(list(batch.seq_lens_host), batch.cu_seqlens_q.tolist())
 
 
 def test_csr_from_host_matches_csr_pages():
@@ -125,15 +127,16 @@ def test_csr_from_host_matches_csr_pages():
     for _ in range(20):
         n, page = rng.randint(1, 6), rng.choice([1, 3, 4, 16])
         q_lens = [rng.randint(0, 5) for _ in range(n)]
-        kv_lens = [q + rng.randint(0, 40) for q in q_lens]
+        kv_lens = [q + rng.choice([0, rng.randint(0, 40)]) for q in q_lens]
         batch = make_paged_batch(q_lens, kv_lens, num_q_heads=2, num_kv_heads=1, head_dim=16, page_size=page,
                                  dtype=torch.float32)  # fmt: skip
         want = flashinfer_ref.csr_pages(batch.block_tables, batch.seq_lens, page)
-        got = flashinfer_ref.csr_from_host(host_metadata(batch, page), page)
-        assert [t.tolist() for t in want] == list(got), (q_lens, kv_lens, page)
-    bad = HostMetadata([9, 4], [0, 1, 2], [[3, 5], [7]])  # 9 keys at page 4 need 3 pages
-    with pytest.raises(ValueError, match="sequence 0: 2 pages staged for 9 keys at page_size 4"):
-        flashinfer_ref.csr_from_host(bad, 4)
+        indptr, indices, last = flashinfer_ref.csr_from_host(host_metadata(batch), batch.block_tables, page)
+        assert [indptr, indices.tolist(), last] == [t.tolist() for t in want], (q_lens, kv_lens, page)
+        assert indices.dtype == torch.int32
+    tables = torch.zeros(2, 2, dtype=torch.int32)  # 9 keys at page 4 need 3 pages
+    with pytest.raises(ValueError, match="sequence 1: seq_len 9 needs 3 pages at page_size 4; block_tables has 2"):
+        flashinfer_ref.csr_from_host(HostMetadata([4, 9], [0, 1, 2]), tables, 4)
 
 
 def test_plans_from_staged_host_metadata(fake_flashinfer, monkeypatch):
@@ -143,7 +146,7 @@ def test_plans_from_staged_host_metadata(fake_flashinfer, monkeypatch):
                              dtype=torch.float32, num_tokens=8)  # fmt: skip
     backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
     _, _, _, tables, lens, cu, _ = batch.args()
-    backend.stage(tables, lens, cu, host_metadata(batch, 4))
+    backend.stage(tables, lens, cu, host_metadata(batch))
     with monkeypatch.context() as m:
         m.setattr(flashinfer_ref, "csr_pages", lambda *a: pytest.fail("read the device metadata back"))
         out = backend(*batch.args())
@@ -153,7 +156,7 @@ def test_plans_from_staged_host_metadata(fake_flashinfer, monkeypatch):
     lens.add_(0)  # in place: same object, new version; the staged copy may be stale
     backend(*batch.args())
     assert (backend.plans, backend.host_plans) == (2, 1)
-    backend.stage(tables, lens.clone(), cu, host_metadata(batch, 4))  # staged for another tensor
+    backend.stage(tables, lens.clone(), cu, host_metadata(batch))  # staged for another tensor
     backend(*batch.args())
     assert (backend.plans, backend.host_plans) == (2, 1)  # the current plan still fits: reused
 

@@ -28,13 +28,12 @@ import torch
 
 @dataclass(frozen=True)
 class HostMetadata:
-    """A step's attention metadata as the host built it: what ``seq_lens``, ``cu_seqlens_q`` and
-    the used part of ``block_tables`` hold on the device. A backend that plans on the host
-    (flashinfer) reads these instead of copying the device tensors back (a sync)."""
+    """A step's attention metadata as the host built it: what ``seq_lens`` and ``cu_seqlens_q`` hold
+    on the device. A backend that plans on the host (flashinfer) reads these instead of copying the
+    device tensors back (a sync)."""
 
     seq_lens: list[int]
     cu_seqlens_q: list[int]
-    pages: list[list[int]]  # sequence b's first ceil(seq_lens[b] / page_size) pages, in order
 
 
 class KernelSet(NamedTuple):

@@ -9,9 +9,10 @@ when every sequence has one query token, else the prefill (append) wrapper with 
 The engine backend (``FlashInferBackend``) keeps one workspace and one wrapper of each kind per
 device and plans once per forward step, as vLLM and SGLang do: every layer of a step passes the
 same metadata tensors, so the first layer's call plans and the others reuse the plan. The runner
-stages the host lists it built those tensors from (``stage``), so the plan never reads the device
-back and the step stays asynchronous (overlap scheduling works); metadata nobody staged is copied
-back instead (a sync). It runs eagerly: the engine captures CUDA graphs only for backends without
+stages the host lists it built ``seq_lens`` and ``cu_seqlens_q`` from (``stage``): the plan reads
+those, and the page indices are gathered from ``block_tables`` on the device (their count is known
+on the host), so nothing is read back, no per-page work is done in Python, and the step stays
+asynchronous (overlap scheduling works). Metadata nobody staged is copied back instead (a sync). It runs eagerly: the engine captures CUDA graphs only for backends without
 host work.
 
 FlashInfer's plan writes its schedule into one pinned host buffer per wrapper and copies it to
@@ -28,6 +29,7 @@ import weakref
 
 import torch
 
+from minengine.memory.kv_pool import to_device_packed
 from minengine.ops import HostMetadata
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV partials), as in vLLM
@@ -68,16 +70,26 @@ def csr_pages(
     return indptr.to(torch.int32), indices.to(torch.int32), last.to(torch.int32)
 
 
-def csr_from_host(host: HostMetadata, page_size: int) -> tuple[list[int], list[int], list[int]]:
-    """``csr_pages`` of staged host metadata, as lists (no device read)."""
-    counts = [len(pages) for pages in host.pages]
-    for b, (n, length) in enumerate(zip(counts, host.seq_lens, strict=True)):
-        if n != -(-length // page_size):
-            raise ValueError(f"sequence {b}: {n} pages staged for {length} keys at page_size {page_size}")
+def csr_from_host(
+    host: HostMetadata, block_tables: torch.Tensor, page_size: int
+) -> tuple[list[int], torch.Tensor, list[int]]:
+    """``csr_pages`` from staged host metadata without reading the device: ``indptr`` and
+    ``last_page_len`` as host lists, ``indices`` gathered from ``block_tables`` where it lives (its
+    size is known on the host, so nothing waits for the device)."""
+    counts = [-(-length // page_size) for length in host.seq_lens]
+    if counts and max(counts) > block_tables.shape[1]:
+        b = counts.index(max(counts))
+        raise ValueError(
+            f"sequence {b}: seq_len {host.seq_lens[b]} needs {counts[b]} pages at page_size {page_size}; "
+            f"block_tables has {block_tables.shape[1]} columns"
+        )
     indptr = [0, *itertools.accumulate(counts)]
-    indices = list(itertools.chain.from_iterable(host.pages))
     last = [length - (n - 1) * page_size if n else 0 for n, length in zip(counts, host.seq_lens, strict=True)]
-    return indptr, indices, last
+    device = block_tables.device
+    counts_t, starts_t = to_device_packed([counts, indptr[:-1]], torch.int64, device)
+    seq = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=indptr[-1])
+    column = torch.arange(indptr[-1], device=device) - starts_t[seq]
+    return indptr, block_tables[seq, column].to(torch.int32), last
 
 
 def _host_int32(values, pin: bool) -> torch.Tensor:
@@ -102,7 +114,7 @@ class FlashInferBackend:
         self._wrapper = None
         self._rows = 0  # query rows the plan covers (cu_seqlens_q[-1]); rows past it are padding
         self._staged: tuple[tuple, HostMetadata] | None = None  # (metadata refs, their host copy)
-        self._planned = None  # CUDA event after the last plan's host-to-device copies
+        self._planned = None  # CUDA event recorded after the last plan's host-to-device copies
         self.host_plans = 0  # plans made from staged host metadata (no device read)
 
     def _wrapper_for(self, kind: str, group: int, device: torch.device):
@@ -169,25 +181,27 @@ class FlashInferBackend:
         pin = q.device.type == "cuda"
         if self._staged is not None and self._same(metadata, self._staged[0]):
             host = self._staged[1]
-            cu = host.cu_seqlens_q
-            indptr, indices, last = (_host_int32(x, pin) for x in csr_from_host(host, page_size))
+            cu, lens = host.cu_seqlens_q, _host_int32(host.seq_lens, pin)
+            indptr, indices, last = csr_from_host(host, block_tables, page_size)  # indices: on the device
+            indptr, last = _host_int32(indptr, pin), _host_int32(last, pin)
             self.host_plans += 1
         else:  # not staged: read the metadata back (a sync)
-            cu = cu_seqlens_q.tolist()
+            cu, lens = cu_seqlens_q.tolist(), _host_int32(seq_lens.cpu(), pin)
             indptr, indices, last = (_host_int32(x, pin) for x in csr_pages(block_tables, seq_lens, page_size))
         decode_only = all(hi - lo == 1 for lo, hi in zip(cu, cu[1:], strict=False))
         wrapper = self._wrapper_for("decode" if decode_only else "prefill", hq // hkv, q.device)
         common = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        if self._planned is not None:
+        if pin:
+            if self._planned is None:
+                self._planned = torch.cuda.Event()
             self._planned.synchronize()  # the last plan's copies have read its pinned buffers
         if decode_only:
             wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, **common)
-        else:
+        else:  # seq_lens pinned: its copy inside plan is asynchronous too
             qo_indptr = _host_int32(cu, pin)
-            wrapper.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=True, **common)
+            wrapper.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=True, seq_lens=lens, **common)
         if pin:
-            self._planned = torch.cuda.Event()
-            self._planned.record()
+            self._planned.record(torch.cuda.current_stream(q.device))
         self._wrapper, self._rows = wrapper, cu[-1]
         self._metadata = self._refs(metadata)
         self._key = key if self._metadata else None
