@@ -199,15 +199,18 @@ def test_decode_wrapper_on_tensor_cores_for_wide_groups(fake_flashinfer):
         assert backend._wrapper.tensor_cores is tensor_cores
 
 
-def test_inference_mode_metadata_plans_every_call(fake_flashinfer):
-    """Tensors made in inference mode keep no version counter: no plan reuse, still correct."""
+def test_inference_mode_metadata_plans_every_call(fake_flashinfer, caplog):
+    """Tensors made in inference mode keep no version counter: no plan reuse, no staging (with a
+    warning), still correct."""
     with torch.inference_mode():
         batch = make_paged_batch([3, 1], [10, 6], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
                                  dtype=torch.float32, device="cpu")  # fmt: skip
         backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+        backend.stage(*batch.args()[3:6], host_metadata(batch))
         for _ in range(3):
             out = backend(*batch.args())
-    assert backend.plans == 3
+    assert backend.plans == 3 and backend.host_plans == 0
+    assert "cannot be staged" in caplog.text
     assert relative_error(out, reference.paged_attention(*batch.to_float64())) < 1e-5
 
 

@@ -12,8 +12,8 @@ same metadata tensors, so the first layer's call plans and the others reuse the 
 stages the host lists it built ``seq_lens`` and ``cu_seqlens_q`` from (``stage``): the plan reads
 those, and the page indices are gathered from ``block_tables`` on the device (their count is known
 on the host), so nothing is read back, no per-page work is done in Python, and the step stays
-asynchronous (overlap scheduling works). Metadata nobody staged is copied back instead (a sync). It runs eagerly: the engine captures CUDA graphs only for backends without
-host work.
+asynchronous (overlap scheduling works). Metadata nobody staged is copied back instead (a sync).
+It runs eagerly: the engine captures CUDA graphs only for backends without host work.
 
 FlashInfer's plan writes its schedule into one pinned host buffer per wrapper and copies it to
 the device asynchronously; a plan made while the previous plan's copy is still queued (overlap
@@ -25,6 +25,7 @@ device has almost always executed by then.
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from minengine.memory.kv_pool import to_device_packed
 from minengine.ops import HostMetadata
 
+logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV partials), as in vLLM
 
 
@@ -116,6 +118,7 @@ class FlashInferBackend:
         self._staged: tuple[tuple, HostMetadata] | None = None  # (metadata refs, their host copy)
         self._planned = None  # CUDA event recorded after the last plan's host-to-device copies
         self.host_plans = 0  # plans made from staged host metadata (no device read)
+        self._warned = False
 
     def _wrapper_for(self, kind: str, group: int, device: torch.device):
         """The decode wrapper (on tensor cores for GQA groups above 4, as vLLM does: FlashInfer's
@@ -158,6 +161,9 @@ class FlashInferBackend:
     ) -> None:
         """The host lists these metadata tensors were made from: the plan for them reads these."""
         refs = self._refs((block_tables, seq_lens, cu_seqlens_q))
+        if not refs and not self._warned:
+            logger.warning("flashinfer: metadata made in inference mode cannot be staged; every call will sync")
+            self._warned = True
         self._staged = (refs, host) if refs else None
 
     def plan(
