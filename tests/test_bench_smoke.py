@@ -72,6 +72,15 @@ def test_bench_decode_smoke(tmp_path):
     assert (tmp_path / "decode_smoke.md").is_file()
 
 
+def test_bench_frontend_smoke(tmp_path):
+    bench = load_bench("bench_frontend")
+    report = bench.main(["--smoke", "--out", str(tmp_path)])
+    assert [r["coalesce"] for r in report["rows"]] == [False, True]
+    assert all(r["streamed_tok_s"] > 0 for r in report["rows"])
+    assert report["rows"][0]["chunks"] == 8 * 10  # off: one chunk per token
+    assert "| 1.0 | on |" in (tmp_path / "frontend_smoke.md").read_text()
+
+
 def test_bench_host_step_smoke(tmp_path):
     bench = load_bench("bench_host_step")
     report = bench.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)])

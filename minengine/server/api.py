@@ -374,10 +374,15 @@ async def _pieces(state: ServerState, choices: list[Choice]) -> AsyncIterator[tu
             queue.put_nowait((choice.index, None))
 
     tasks = [asyncio.create_task(run(c)) for c in choices]
-    open_choices = len(tasks)
+    open_choices, held = len(tasks), None
     try:
         while open_choices:
-            index, item = await queue.get()
+            if held is not None:
+                (index, item), held = held, None
+            else:
+                index, item = await queue.get()
+            if isinstance(item, Piece):  # with the same choice's pieces already waiting: one chunk
+                item, held = _merge_waiting(index, item, queue)
             if item is None:
                 open_choices -= 1
             elif isinstance(item, (SchedulerDied, RequestFailed)):
@@ -388,6 +393,29 @@ async def _pieces(state: ServerState, choices: list[Choice]) -> AsyncIterator[tu
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _merge_waiting(index: int, piece: Piece, queue: asyncio.Queue) -> tuple[Piece, tuple | None]:
+    """``piece`` merged with the pieces of choice ``index`` queued right behind it (a stream that
+    fell behind sends them as one chunk), and the first queued item it did not take. Never waits."""
+    pieces = [piece]
+    while pieces[-1].finish_reason is None and not queue.empty():
+        item = queue.get_nowait()
+        if item[0] != index or not isinstance(item[1], Piece):
+            return _joined(pieces), item
+        pieces.append(item[1])
+    return _joined(pieces), None
+
+
+def _joined(pieces: list[Piece]) -> Piece:
+    if len(pieces) == 1:
+        return pieces[0]
+    return Piece(
+        "".join(p.text for p in pieces),
+        [t for p in pieces for t in p.token_ids],
+        pieces[-1].finish_reason,
+        sum(p.cached_tokens for p in pieces),
+    )
 
 
 async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: list[Choice], chat: bool) -> Response:

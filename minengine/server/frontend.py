@@ -170,6 +170,27 @@ class SchedulerClient:
         self.ctx.term()
 
 
+def _coalesce(update: TokenUpdate, queue: asyncio.Queue) -> tuple[TokenUpdate, object | None, int]:
+    """``update`` merged with the token updates already queued behind it, so a consumer that fell
+    behind (a busy front end at high concurrency) detokenizes and streams them as one piece:
+    (merged update, the first queued item it could not merge (an error, a Fatal) or None, number
+    of updates merged). Never waits."""
+    batch = [update]
+    while batch[-1].finish_reason is None and batch[-1].error is None and not queue.empty():
+        item = queue.get_nowait()
+        if not isinstance(item, TokenUpdate) or item.error is not None:
+            return _merged(batch), item, len(batch)
+        batch.append(item)
+    return _merged(batch), None, len(batch)
+
+
+def _merged(batch: list[TokenUpdate]) -> TokenUpdate:
+    if len(batch) == 1:
+        return batch[0]
+    ids = [t for u in batch for t in u.new_token_ids]
+    return TokenUpdate(batch[0].rid, ids, batch[-1].finish_reason, sum(u.cached_tokens for u in batch))
+
+
 @dataclass
 class Piece:
     text: str
@@ -199,10 +220,15 @@ async def generate(
     detok = IncrementalDetokenizer(tokenizer, params.stop_strings)
     queue = client.submit(rid, prompt_ids, replace(params, stop=None), bootstrap)
     metrics.prompt_tokens.inc(len(prompt_ids))
-    finished, last = False, None
+    finished, last, held = False, None, None
     try:
         while True:
-            update = await queue.get()
+            if held is not None:
+                update, held = held, None
+            else:
+                update = await queue.get()
+            if isinstance(update, TokenUpdate):
+                update, held, merged = _coalesce(update, queue)
             if isinstance(update, Fatal):
                 raise SchedulerDied(update.message)
             assert isinstance(update, TokenUpdate)
@@ -218,11 +244,14 @@ async def generate(
                     metrics.prefix_cache_hit_tokens.inc(update.cached_tokens)
                 else:
                     metrics.itl.observe(now - last)
+                for _ in range(merged - 1):  # the later updates were already waiting: no gap
+                    metrics.itl.observe(0.0)
                 last = now
             text = detok.add(update.new_token_ids)
             reason = update.finish_reason
-            if reason is None and detok.stopped:  # a stop string: we are done, the scheduler may not be
-                client.abort(rid)
+            if detok.stopped and reason != "abort":  # a stop string, before any end in this update
+                if reason is None:  # we are done, the scheduler is not
+                    client.abort(rid)
                 reason = "stop"
             if reason is None:
                 if text or n:
