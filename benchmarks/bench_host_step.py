@@ -9,7 +9,9 @@ small launches around the forward remain. Medians over rounds, in ms per step:
 - schedule: the policy over every running request, page allocation;
 - prepare: the step's input lists and their host-to-device copies;
 - launch: the stub forward, sampling, the token copy back;
-- commit: appending the tokens, stop checks.
+- commit: appending the tokens, stop checks;
+- send (server only): the scheduler process's token updates for the front end, built and pickled
+  as it sends them.
 
 Three text modes: ``server`` (the scheduler makes no text: the server's front end process
 detokenizes), ``offline`` (the ``LLM`` path without stop strings: the output is decoded once, when
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import time
 from pathlib import Path
@@ -32,7 +35,7 @@ import torch
 from _common import RESULTS, header, save, stem
 from _common import report as make_report
 
-PHASES = ("schedule", "prepare", "launch", "commit")
+PHASES = ("schedule", "prepare", "launch", "commit", "send")
 MODES = ("server", "offline", "stop strings")
 
 
@@ -66,6 +69,8 @@ def measure(batch: int, mode: str, steps: int, repeats: int, warmup: int, device
     from minengine.config import EngineConfig
     from minengine.engine import Engine
     from minengine.sampling_params import SamplingParams
+    from minengine.server.protocol import StepOutput
+    from minengine.server.scheduler_process import engine_updates
 
     max_tokens = warmup + steps * repeats + 8  # nobody finishes while measured
     per_request = prompt_len + max_tokens
@@ -79,8 +84,32 @@ def measure(batch: int, mode: str, steps: int, repeats: int, warmup: int, device
     stop = ["\x00never"] if mode == "stop strings" else None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, stop=stop)
     vocab = engine.model_config.vocab_size
+    live = {}  # the server's request ids
     for i in range(batch):
-        engine.add_request([(i * 31 + j * 7) % (vocab - 1) + 1 for j in range(prompt_len)], params)
+        live[f"{i:032x}"] = engine.add_request([(i * 31 + j * 7) % (vocab - 1) + 1 for j in range(prompt_len)], params)
+
+    engine_step, engine_ms = engine.step, [0.0]
+
+    def timed_engine_step() -> list:
+        start = time.perf_counter()
+        try:
+            return engine_step()
+        finally:
+            engine_ms[0] += (time.perf_counter() - start) * 1e3
+
+    def server_step() -> list:
+        """The scheduler process's pass: a step, then the token updates it builds and pickles."""
+        engine.step, engine_ms[0] = timed_engine_step, 0.0
+        start = time.perf_counter()
+        try:
+            updates = engine_updates(engine, live)
+            pickle.dumps(StepOutput(0, updates, engine.stats()), protocol=pickle.HIGHEST_PROTOCOL)
+        finally:
+            engine.step = engine_step
+        phase_ms["send"] += (time.perf_counter() - start) * 1e3 - engine_ms[0]
+        return updates
+
+    step = server_step if mode == "server" else engine.step
     while len(engine.scheduler.running) < batch or engine.scheduler.running[0].prefilling:
         engine.step()  # admit and prefill everyone
     for _ in range(warmup):
@@ -99,7 +128,7 @@ def measure(batch: int, mode: str, steps: int, repeats: int, warmup: int, device
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            assert len(engine.step()) == batch, "every request decodes in every measured step"
+            assert len(step()) == batch, "every request decodes in every measured step"
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         rounds.append(
@@ -122,8 +151,8 @@ def markdown(report: dict) -> str:
     lines += [
         f"- host CPUs: {report['cpus']}; medians of {cfg['repeats']} rounds of {cfg['steps']} decode steps",
         "",
-        "| batch | text | step ms | schedule | prepare | launch | commit | us / request |",
-        "|---:|:---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | text | step ms | schedule | prepare | launch | commit | send | us / request |",
+        "|---:|:---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["rows"]:
         phases = " | ".join(f"{r[f'{p}_ms']:.3f}" for p in PHASES)

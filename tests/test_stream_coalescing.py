@@ -105,3 +105,20 @@ def test_stream_merges_waiting_pieces_of_one_choice_only():
     merged, held = api._merge_waiting(0, Piece("a", [1]), queue)
     assert merged.text == "ab" and held[0] == 1 and held[1].text == "x"
     assert queue.qsize() == 1  # choice 0's "c" stays queued, after choice 1's piece
+
+
+def test_step_output_round_trips_through_its_column_pickle():
+    import pickle
+
+    from minengine.server.protocol import StepOutput
+
+    updates = [
+        TokenUpdate("a", [5]),
+        TokenUpdate("b", [6, 7], "length", 12),
+        TokenUpdate("c", [], "abort", error="peer gone"),
+        TokenUpdate("d", [8], cached_tokens=3),
+    ]
+    out = StepOutput(2, updates, {"num_requests_running": 3}, [], [(4, 1024, 0.5)], 7)
+    back = pickle.loads(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == out and all(isinstance(u, TokenUpdate) for u in back.updates)
+    assert pickle.loads(pickle.dumps(StepOutput(0, []))) == StepOutput(0, [])

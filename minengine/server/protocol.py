@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from minengine.sampling_params import SamplingParams
 from minengine.scheduler.prefill_delayer import Outcome
@@ -52,8 +53,9 @@ class Ready:
     rank: int = 0
 
 
-@dataclass(frozen=True)
-class TokenUpdate:
+# NOTE: a NamedTuple, not a frozen dataclass: a scheduler makes one per running request every step
+# (about 3x cheaper to build).
+class TokenUpdate(NamedTuple):
     rid: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" when this ends the request
@@ -63,12 +65,30 @@ class TokenUpdate:
 
 @dataclass(frozen=True)
 class StepOutput:
+    """One scheduler pass's results. Pickled by columns (``__reduce__``): request ids and new
+    tokens as two lists, the rarer fields only for the updates that have them, about 6x cheaper for
+    the scheduler to send than one pickled object per update."""
+
     rank: int  # the data-parallel worker it comes from
     updates: list[TokenUpdate]
     stats: dict[str, int] = field(default_factory=dict)
     delayer: list[Outcome] = field(default_factory=list)  # prefill-delayer passes since the last output
     kv_received: list[tuple[int, int, float]] = field(default_factory=list)  # decode: (pages, bytes, seconds)
     kv_pages_sent: int = 0  # prefill: pages sent since the last output
+
+    def __reduce__(self):
+        ups = self.updates
+        extra = [(i, u[2:]) for i, u in enumerate(ups) if u[2] is not None or u[3] or u[4] is not None]
+        columns = ([u[0] for u in ups], [u[1] for u in ups], extra)
+        return _step_output, (self.rank, columns, self.stats, self.delayer, self.kv_received, self.kv_pages_sent)
+
+
+def _step_output(rank: int, columns: tuple, *rest) -> StepOutput:
+    rids, tokens, extra = columns
+    updates = [TokenUpdate(rid, ids) for rid, ids in zip(rids, tokens, strict=True)]
+    for i, fields in extra:
+        updates[i] = TokenUpdate(rids[i], tokens[i], *fields)
+    return StepOutput(rank, updates, *rest)
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ def engine_updates(engine: Engine, live: dict[str, Request]) -> list[TokenUpdate
     updates = []
     for req in engine.step():
         rid = rids[id(req)]
-        first = len(req.output_ids) == 1
+        first = len(req.token_ids) == len(req.prompt_ids) + 1  # its first output token
         updates.append(TokenUpdate(rid, [req.token_ids[-1]], req.finish_reason, req.cached_tokens if first else 0))
         if req.finished:
             del live[rid]
