@@ -87,7 +87,7 @@ async def run_point(streams: int, steps: int, step_s: float, send_us: float) -> 
     return {
         "offered_tok_s": tokens / (steps * step_s),
         "streamed_tok_s": tokens / elapsed,
-        "lag_s": elapsed - steps * step_s,
+        "lag_s": max(0.0, elapsed - steps * step_s),
         "chunks": chunks[0],
     }
 
@@ -95,13 +95,13 @@ async def run_point(streams: int, steps: int, step_s: float, send_us: float) -> 
 def measure(streams: int, steps: int, step_ms: float, send_us: float, coalesce: bool) -> dict:
     from minengine.server import frontend
 
-    original = frontend._coalesce
+    original = frontend._waiting_updates
     if not coalesce:
-        frontend._coalesce = lambda update, queue: (update, None, 1)
+        frontend._waiting_updates = lambda update, queue: ([update], None)
     try:
         result = asyncio.run(run_point(streams, steps, step_ms / 1e3, send_us))
     finally:
-        frontend._coalesce = original
+        frontend._waiting_updates = original
     return {"streams": streams, "step_ms": step_ms, "coalesce": coalesce, **result}
 
 

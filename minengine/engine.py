@@ -179,7 +179,10 @@ class Engine:
         )
 
     def abort(self, req: Request) -> None:
+        running = not req.finished
         self.scheduler.abort(req)
+        if running and req.detok is not None and not req.params.stop_strings:
+            req.detok.add(req.output_ids)  # its text so far (``stop_reason`` makes it only at the end)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

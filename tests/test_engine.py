@@ -10,6 +10,7 @@ import torch
 from checkpoints import build_checkpoint
 
 from minengine import LLM, EngineConfig, SamplingParams
+from minengine.detokenizer import IncrementalDetokenizer
 from minengine.models.tiny import tiny_tokenizer
 from minengine.sampler import filtered_probs
 
@@ -159,6 +160,17 @@ def test_text_is_decoded_once_without_stop_strings(llm):
     while engine.has_unfinished():
         engine.step()
     assert req.text == llm.tokenizer.decode(req.output_ids) and len(req.output_ids) == 6
+    req = engine.add_request(llm.tokenizer.encode("text test"), SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    engine.abort(req)  # an aborted request keeps the text it had
+    want = IncrementalDetokenizer(llm.tokenizer)
+    want.add(req.output_ids)
+    assert req.output_ids and req.text == want.text
+    engine.abort(req)  # twice: nothing more
+    assert req.text == want.text
+    while engine.has_unfinished():
+        engine.step()
 
 
 def test_max_tokens_gives_length(llm):

@@ -72,15 +72,28 @@ def test_waiting_updates_become_one_piece():
     assert metrics.itl._sum.get() >= 0 and sum(b.get() for b in metrics.itl._buckets) == len(IDS) - 1
 
 
-@pytest.mark.parametrize("ended", [True, False])
-def test_stop_string_inside_a_merged_batch_cuts_and_aborts(ended):
-    """The stop string comes before the end merged with it (if any): the reason is "stop", and a
-    request the scheduler still runs is aborted."""
-    text = TOK.decode(IDS)
-    stop = "wörld"
-    pieces, exc, client, _ = run(updates(IDS, "length" if ended else None), max_tokens=99, stop=[stop])
+@pytest.mark.parametrize("after", ["length", None, "abort"])
+def test_stop_string_inside_a_merged_batch_ends_it_there(after):
+    """The updates of a batch count as if they came one by one: the stream ends at the update that
+    completes the stop string, with reason "stop" and only the tokens up to it (the scheduler went
+    on, and is aborted); what was queued after it (more tokens, the end, an abort) is not output."""
+    text, stop = TOK.decode(IDS), "wörld"
+    k = next(k for k in range(1, len(IDS) + 1) if stop in TOK.decode(IDS[:k]))
+    items = updates(IDS, "length" if after == "length" else None)
+    if after == "abort":
+        items.append(TokenUpdate("r", [], "abort"))
+    pieces, exc, client, metrics = run(items, max_tokens=99, stop=[stop])
     assert exc is None and "".join(p.text for p in pieces) == text[: text.find(stop)]
-    assert pieces[-1].finish_reason == "stop" and client.aborted == ([] if ended else ["r"])
+    assert [t for p in pieces for t in p.token_ids] == IDS[:k]
+    assert pieces[-1].finish_reason == "stop" and client.aborted == ["r"]
+    assert metrics.generation_tokens._value.get() == k
+
+
+def test_abort_after_tokens_is_its_own_update():
+    pieces, exc, _, metrics = run(updates(IDS[:4], None) + [TokenUpdate("r", [], "abort")], max_tokens=99)
+    assert exc is None and [p.finish_reason for p in pieces] == [None, "abort"]
+    assert pieces[0].token_ids == IDS[:4] and pieces[1].token_ids == []
+    assert sum(b.get() for b in metrics.itl._buckets) == 3  # one per token after the first
 
 
 @pytest.mark.parametrize("kind", ["error", "fatal"])

@@ -170,25 +170,18 @@ class SchedulerClient:
         self.ctx.term()
 
 
-def _coalesce(update: TokenUpdate, queue: asyncio.Queue) -> tuple[TokenUpdate, object | None, int]:
-    """``update`` merged with the token updates already queued behind it, so a consumer that fell
-    behind (a busy front end at high concurrency) detokenizes and streams them as one piece:
-    (merged update, the first queued item it could not merge (an error, a Fatal) or None, number
-    of updates merged). Never waits."""
+def _waiting_updates(update: TokenUpdate, queue: asyncio.Queue) -> tuple[list[TokenUpdate], object | None]:
+    """``update`` and the token updates already queued behind it, up to the one that ends the
+    request, so a consumer that fell behind (a busy front end at high concurrency) handles them as
+    one piece and one stream chunk; and the first queued item it did not take (an error, an abort,
+    a Fatal: handled on their own, as before) or None. Never waits."""
     batch = [update]
-    while batch[-1].finish_reason is None and batch[-1].error is None and not queue.empty():
+    while batch[-1].finish_reason is None and not queue.empty():
         item = queue.get_nowait()
-        if not isinstance(item, TokenUpdate) or item.error is not None:
-            return _merged(batch), item, len(batch)
+        if not isinstance(item, TokenUpdate) or item.error is not None or item.finish_reason == "abort":
+            return batch, item
         batch.append(item)
-    return _merged(batch), None, len(batch)
-
-
-def _merged(batch: list[TokenUpdate]) -> TokenUpdate:
-    if len(batch) == 1:
-        return batch[0]
-    ids = [t for u in batch for t in u.new_token_ids]
-    return TokenUpdate(batch[0].rid, ids, batch[-1].finish_reason, sum(u.cached_tokens for u in batch))
+    return batch, None
 
 
 @dataclass
@@ -224,38 +217,45 @@ async def generate(
     try:
         while True:
             if held is not None:
-                update, held = held, None
+                item, held = held, None
             else:
-                update = await queue.get()
-            if isinstance(update, TokenUpdate):
-                update, held, merged = _coalesce(update, queue)
-            if isinstance(update, Fatal):
-                raise SchedulerDied(update.message)
-            assert isinstance(update, TokenUpdate)
-            if update.error is not None:
+                item = await queue.get()
+            if isinstance(item, Fatal):
+                raise SchedulerDied(item.message)
+            assert isinstance(item, TokenUpdate)
+            if item.error is not None:
                 finished = True  # the scheduler has dropped it already
                 metrics.aborted.inc()
-                raise RequestFailed(update.error)
-            now, n = time.perf_counter(), len(update.new_token_ids)
-            if n:
-                metrics.generation_tokens.inc(n)
-                if last is None:
-                    metrics.ttft.observe(now - arrival)
-                    metrics.prefix_cache_hit_tokens.inc(update.cached_tokens)
-                else:
-                    metrics.itl.observe(now - last)
-                for _ in range(merged - 1):  # the later updates were already waiting: no gap
-                    metrics.itl.observe(0.0)
-                last = now
-            text = detok.add(update.new_token_ids)
-            reason = update.finish_reason
-            if detok.stopped and reason != "abort":  # a stop string, before any end in this update
+                raise RequestFailed(item.error)
+            batch, held = _waiting_updates(item, queue)
+            # the batch's updates in order, as if they came one by one; a stop string ends it at the
+            # update that completes it (the scheduler went on: later tokens are not the output)
+            now, ids, text, cached, reason = time.perf_counter(), [], "", 0, None
+            for update in batch:
+                if update.new_token_ids:
+                    metrics.generation_tokens.inc(len(update.new_token_ids))
+                    if last is None:
+                        metrics.ttft.observe(now - arrival)
+                        metrics.prefix_cache_hit_tokens.inc(update.cached_tokens)
+                    else:
+                        metrics.itl.observe(now - last)  # 0 for the updates that were already waiting
+                    last = now
+                ids += update.new_token_ids
+                cached += update.cached_tokens
+                reason = update.finish_reason
+                if detok.stop:  # only stop strings need the text update by update
+                    text += detok.add(update.new_token_ids)
+                    if detok.stopped:
+                        break
+            if not detok.stop:
+                text = detok.add(ids)
+            if detok.stopped and reason != "abort":  # a stop string, before any end in its update
                 if reason is None:  # we are done, the scheduler is not
                     client.abort(rid)
                 reason = "stop"
             if reason is None:
-                if text or n:
-                    yield Piece(text, update.new_token_ids, cached_tokens=update.cached_tokens)
+                if text or ids:
+                    yield Piece(text, ids, cached_tokens=cached)
                 continue
             finished = True
             text += detok.finish()
@@ -264,7 +264,7 @@ async def generate(
             else:
                 metrics.request_success.labels(finished_reason=reason).inc()
                 metrics.e2e.observe(now - arrival)
-            yield Piece(text, update.new_token_ids, reason, update.cached_tokens)
+            yield Piece(text, ids, reason, cached)
             return
     finally:
         if not finished:
