@@ -58,10 +58,12 @@ class PageTable:
     def flush(self) -> None:
         if not self._pending:
             return
-        device = self.table.device
-        index = to_device([[r for r, _ in self._pending], [c for _, c in self._pending]], torch.int64, device)
-        pages = to_device(list(self._pending.values()), torch.int32, device)
-        self.table.index_put_((index[0], index[1]), pages)
+        rows, cols, pages = to_device_packed(
+            [[r for r, _ in self._pending], [c for _, c in self._pending], list(self._pending.values())],
+            torch.int64,
+            self.table.device,
+        )
+        self.table.index_put_((rows, cols), pages.to(torch.int32))
         self._pending = {}
 
 
