@@ -107,3 +107,10 @@ def save(out_dir: Path, stem: str, report: dict, markdown: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / f"{stem}.md").write_text(markdown)
+
+
+def publish(out_dir: Path, prefix: str, report: dict, markdown: str) -> dict:
+    """Save a finished report under its stem (``stem``) and print its markdown."""
+    save(out_dir, stem(prefix, report), report, markdown)
+    print(markdown)
+    return report

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, save, stem
+from _common import RESULTS, header, publish
 from _common import report as make_report
 
 
@@ -145,10 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(measure(args.streams, args.steps, step_ms, args.send_us, coalesce))
             print(rows[-1], flush=True)
     report = make_report(argv, "bench_frontend", torch.device("cpu"), args, rows, cpus=os.cpu_count())
-    text = markdown(report)
-    save(args.out, stem("frontend", report), report, text)
-    print(text)
-    return report
+    return publish(args.out, "frontend", report, markdown(report))
 
 
 if __name__ == "__main__":

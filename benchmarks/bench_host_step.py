@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, save, stem
+from _common import RESULTS, header, publish
 from _common import report as make_report
 
 PHASES = ("schedule", "prepare", "launch", "commit", "send")
@@ -185,10 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(measure(batch, mode, args.steps, args.repeats, args.warmup, device, args.prompt_len))
             print(rows[-1], flush=True)
     report = make_report(argv, "bench_host_step", torch.device(device), args, rows, cpus=os.cpu_count())
-    text = markdown(report)
-    save(args.out, stem("host_step", report), report, text)
-    print(text)
-    return report
+    return publish(args.out, "host_step", report, markdown(report))
 
 
 if __name__ == "__main__":
