@@ -100,3 +100,34 @@ def test_agrees_with_flashinfer(decode_only):
     ours = triton_kernels.paged_attention(*batch.args())  # the Triton kernel against FlashInfer
     theirs = flashinfer_ref.FlashInferPagedAttention(*batch.args()[:6]).run()
     assert relative_error(ours, theirs.to(ours.dtype)) < BF16_TOL
+
+
+@pytest.mark.skipif(not flashinfer_ref.available(), reason="flashinfer is not installed")
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_flashinfer_replans_behind_a_busy_stream(decode_only):
+    """Overlap scheduling plans step N + 1 while step N (its plan's copies included) is still queued
+    on the device. Plans from staged host metadata never sync, so two batches planned and run behind
+    a long sleep kernel would share FlashInfer's pinned plan buffer; each must still get its own
+    result (the backend waits for the previous plan's copies before it plans again)."""
+    from minengine.ops import HostMetadata
+
+    rng = random.Random()
+    batches = []
+    for _ in range(2):
+        n = rng.randint(4, 40)
+        q = [1] * n if decode_only else [rng.choice([1, 1, 7, 300]) for _ in range(n)]
+        batches.append(llama_batch(q, [x + rng.randint(0, 6000) for x in q], poison=False))
+    hosts = [HostMetadata(b.seq_lens_host, b.cu_seqlens_q.tolist()) for b in batches]  # before: .tolist() syncs
+    backend = flashinfer_ref.FlashInferBackend()
+    for b in batches:  # create the wrappers and compile outside the timed part
+        backend(*b.args())
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device time ahead of everything below
+    outs = []
+    for b, host in zip(batches, hosts, strict=True):
+        backend.stage(b.block_tables, b.seq_lens, b.cu_seqlens_q, host)
+        outs.append(backend(*b.args()))
+    torch.cuda.synchronize()
+    assert backend.host_plans == 2
+    for b, out in zip(batches, outs, strict=True):
+        assert relative_error(out, reference.paged_attention(*b.to_float64())) < BF16_TOL
