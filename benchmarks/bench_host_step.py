@@ -88,25 +88,19 @@ def measure(batch: int, mode: str, steps: int, repeats: int, warmup: int, device
     for i in range(batch):
         live[f"{i:032x}"] = engine.add_request([(i * 31 + j * 7) % (vocab - 1) + 1 for j in range(prompt_len)], params)
 
-    engine_step, engine_ms = engine.step, [0.0]
-
-    def timed_engine_step() -> list:
-        start = time.perf_counter()
-        try:
-            return engine_step()
-        finally:
-            engine_ms[0] += (time.perf_counter() - start) * 1e3
+    engine_step, engine_ms = engine.step, {"engine": 0.0}
+    timed_engine_step = timed(engine_ms, "engine", engine_step)
 
     def server_step() -> list:
         """The scheduler process's pass: a step, then the token updates it builds and pickles."""
-        engine.step, engine_ms[0] = timed_engine_step, 0.0
+        engine.step, engine_ms["engine"] = timed_engine_step, 0.0
         start = time.perf_counter()
         try:
             updates = engine_updates(engine, live)
             pickle.dumps(StepOutput(0, updates, engine.stats()), protocol=pickle.HIGHEST_PROTOCOL)
         finally:
             engine.step = engine_step
-        phase_ms["send"] += (time.perf_counter() - start) * 1e3 - engine_ms[0]
+        phase_ms["send"] += (time.perf_counter() - start) * 1e3 - engine_ms["engine"]
         return updates
 
     step = server_step if mode == "server" else engine.step

@@ -181,7 +181,7 @@ class Engine:
     def abort(self, req: Request) -> None:
         running = not req.finished
         self.scheduler.abort(req)
-        if running and req.detok is not None and not req.params.stop_strings:
+        if running and req.detok is not None and not req.detok.stop:
             req.detok.add(req.output_ids)  # its text so far (``stop_reason`` makes it only at the end)
 
     def has_unfinished(self) -> bool:
@@ -241,7 +241,7 @@ class Engine:
         """Why ``req`` stops after its newest token (None: it goes on). Text is made token by token
         only for stop strings; without them the output is decoded once, when it ends."""
         token, p = req.token_ids[-1], req.params
-        incremental = req.detok is not None and bool(p.stop_strings)
+        incremental = req.detok is not None and bool(req.detok.stop)
         if incremental:
             req.detok.add([token])
         eos = not p.ignore_eos and token in self.eos_token_ids

@@ -187,12 +187,12 @@ class FlashInferBackend:
         pin = q.device.type == "cuda"
         if self._staged is not None and self._same(metadata, self._staged[0]):
             host = self._staged[1]
-            cu, lens = host.cu_seqlens_q, _host_int32(host.seq_lens, pin)
+            cu, lens = host.cu_seqlens_q, host.seq_lens
             indptr, indices, last = csr_from_host(host, block_tables, page_size)  # indices: on the device
             indptr, last = _host_int32(indptr, pin), _host_int32(last, pin)
             self.host_plans += 1
         else:  # not staged: read the metadata back (a sync)
-            cu, lens = cu_seqlens_q.tolist(), _host_int32(seq_lens.cpu(), pin)
+            cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
             indptr, indices, last = (_host_int32(x, pin) for x in csr_pages(block_tables, seq_lens, page_size))
         decode_only = all(hi - lo == 1 for lo, hi in zip(cu, cu[1:], strict=False))
         wrapper = self._wrapper_for("decode" if decode_only else "prefill", hq // hkv, q.device)
@@ -204,8 +204,8 @@ class FlashInferBackend:
         if decode_only:
             wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, **common)
         else:  # seq_lens pinned: its copy inside plan is asynchronous too
-            qo_indptr = _host_int32(cu, pin)
-            wrapper.plan(qo_indptr, indptr, indices, last, hq, hkv, d, page_size, causal=True, seq_lens=lens, **common)
+            qo, kv_lens = _host_int32(cu, pin), _host_int32(lens, pin)
+            wrapper.plan(qo, indptr, indices, last, hq, hkv, d, page_size, causal=True, seq_lens=kv_lens, **common)
         if pin:
             self._planned.record(torch.cuda.current_stream(q.device))
         self._wrapper, self._rows = wrapper, cu[-1]
