@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from minengine.sampling_params import SEED_MAX
+
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda", "flashinfer")
@@ -86,6 +88,8 @@ class EngineConfig:
         _int_at_least("max_total_tokens", self.max_total_tokens, 1, optional=True)
         _int_at_least("context_length", self.context_length, 1, optional=True)
         _int_at_least("seed", self.seed, 0)
+        if self.seed > SEED_MAX:
+            raise ValueError(f"seed is {self.seed}; allowed: an integer in [0, {SEED_MAX}]")
         _choice("disaggregation_mode", self.disaggregation_mode, DISAGGREGATION_MODES)
         _choice("disaggregation_transfer_backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
         _int_at_least("disaggregation_bootstrap_port", self.disaggregation_bootstrap_port, 1)

@@ -73,6 +73,11 @@ class Engine:
         self.model_config = mc = load_model_config(config.model)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.context_length = config.context_length or mc.max_position_embeddings
+        if self.context_length > mc.max_position_embeddings:  # positions the model was not made for
+            raise ValueError(
+                f"context_length is {config.context_length}; allowed: 1..{mc.max_position_embeddings} "
+                "(the model's max_position_embeddings)"
+            )
         if mc.sliding_window and mc.sliding_window < self.context_length:
             logger.warning("sliding window %d: context length capped to it", mc.sliding_window)
             self.context_length = mc.sliding_window
@@ -241,19 +246,19 @@ class Engine:
         """Why ``req`` stops after its newest token (None: it goes on). Text is made token by token
         only for stop strings; without them the output is decoded once, when it ends."""
         token, p = req.token_ids[-1], req.params
+        # EOS or a stop token id: it is an output token, but not part of the text (as in vLLM)
+        stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or ())
         incremental = req.detok is not None and bool(req.detok.stop)
-        if incremental:
+        if incremental and not stop_token:
             req.detok.add([token])
-        eos = not p.ignore_eos and token in self.eos_token_ids
-        stop_string = incremental and req.detok.stopped
         reason = None
-        if eos or token in (p.stop_token_ids or ()) or stop_string:
+        if stop_token or (incremental and req.detok.stopped):
             reason = "stop"
         elif len(req.token_ids) >= req.max_len:
             reason = "length"
         if reason is not None and req.detok is not None:
             if not incremental:
-                req.detok.add(req.output_ids)
+                req.detok.add(req.output_ids[:-1] if stop_token else req.output_ids)
             req.detok.finish()
         return reason
 

@@ -91,9 +91,12 @@ class LLM:
             check_prompt(prompt_ids, params, r.vocab_size, r.context_length, r.kv_capacity_tokens)
 
     def _generate_here(self, ids, params, bar) -> list[tuple[list[int], str, str]]:
-        reqs = [self.engine.add_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]
+        reqs = [self.engine.new_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]
+        for req in reqs:  # queued only once every one is made: a bad request leaves none behind
+            self.engine.scheduler.add(req)
         while self.engine.has_unfinished():
             bar.update(sum(r.finished for r in self.engine.step()))
+            self.engine.drain_delayer_outcomes()  # the server's metrics read them; offline they go
         return [(r.output_ids, r.text, r.finish_reason) for r in reqs]
 
     def shutdown(self) -> None:

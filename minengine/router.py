@@ -23,6 +23,7 @@ import json
 import logging
 import secrets
 import sys
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -42,6 +43,8 @@ BLOCK_CHARS = 16  # prefix granularity of the routing table
 MAX_PREFIXES = 1 << 18  # remembered prefix blocks per server (least recently used go first)
 IMBALANCE = 8  # prefer the prefix match unless its server has this many more requests in flight
 PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefill half's answer
+DOWN_SECONDS = 5.0  # a server that refused a connection gets no new requests for this long (unless all did)
+CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as long as generation does)
 
 
 @dataclass
@@ -50,6 +53,13 @@ class Backend:
     bootstrap_port: int | None = None  # prefill servers only
     in_flight: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)
+    down_until: float = 0.0  # monotonic time: it refused a connection, so it is passed over until then
+
+    def unreachable(self, exc: BaseException | None) -> None:
+        """Note a failed call: a connection error takes the server out of picking for a while
+        (a server that is down fails fast, so by load alone it would get most requests)."""
+        if isinstance(exc, httpx.ConnectError):
+            self.down_until = time.monotonic() + DOWN_SECONDS
 
     @property
     def host(self) -> str:
@@ -85,22 +95,31 @@ class Picker:
 
     def pick(self, key: str) -> Backend:
         chain = prefix_chain(key)
-        least = min(b.in_flight for b in self.backends)
+        now = time.monotonic()
+        up = [b for b in self.backends if b.down_until <= now] or self.backends
+        least = min(b.in_flight for b in up)
         best, best_n = None, 0
-        for b in self.backends:
+        for b in up:
             n = b.matched_blocks(chain)
             if n > best_n and b.in_flight <= least + IMBALANCE:
                 best, best_n = b, n
         if best is None:  # no shared prefix: the least busy, round-robin among equals
             order = self.backends[self._next :] + self.backends[: self._next]
-            best = min(order, key=lambda b: b.in_flight)
+            best = min((b for b in order if b in up), key=lambda b: b.in_flight)
             self._next = (self.backends.index(best) + 1) % len(self.backends)
         best.remember(chain)
         return best
 
 
 def routing_key(body: dict) -> str:
-    """The text whose prefix decides where a request goes."""
+    """The text whose prefix decides where a request goes ("" for a body the server will reject)."""
+    try:
+        return _routing_key(body)
+    except (TypeError, AttributeError, ValueError):
+        return ""
+
+
+def _routing_key(body: dict) -> str:
     if "messages" in body:
         parts = []
         for m in body.get("messages") or []:
@@ -115,7 +134,9 @@ def routing_key(body: dict) -> str:
 class Router:
     def __init__(self, prefills: list[Backend], decodes: list[Backend], timeout: float | None = None):
         self.prefill, self.decode = Picker(prefills), Picker(decodes)
-        self.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS), limits=httpx.Limits(max_connections=None)
+        )
         self.registry = r = CollectorRegistry()
         self.requests = Counter("minengine_router:requests", "requests routed", ["prefill", "decode"], registry=r)
         self.failures = Counter("minengine_router:failures", "requests answered with an error", ["server"], registry=r)
@@ -138,7 +159,7 @@ class Router:
         p.in_flight += 1
         d.in_flight += 1
         prefill = asyncio.create_task(self.client.post(p.url + path, json=prefill_body))
-        prefill.add_done_callback(lambda _: setattr(p, "in_flight", p.in_flight - 1))
+        prefill.add_done_callback(lambda t: _prefill_ended(t, p))
         try:
             if body.get("stream"):
                 return await self._stream(path, d, decode_body, prefill, p)
@@ -167,6 +188,7 @@ class Router:
             resp = decode.result()
             answer = Response(resp.content, status_code=resp.status_code, media_type="application/json")
         except httpx.HTTPError as exc:
+            d.unreachable(exc)
             answer = error_response(502, f"the decode server {d.url} failed: {exc!r}")
         if answer.status_code == 200:
             self._finish_in_background(prefill)  # it ends on its own once its KV has landed
@@ -185,9 +207,21 @@ class Router:
         return answer
 
     async def _stream(self, path, d: Backend, body, prefill: asyncio.Task, p: Backend) -> Response:
+        request = self.client.build_request("POST", d.url + path, json=body)
+        headers = asyncio.ensure_future(self.client.send(request, stream=True))
+        # the decode server answers once the request is admitted; a failed prefill half ends the wait
+        while not headers.done():
+            await asyncio.wait({headers} if prefill.done() else {headers, prefill}, return_when="FIRST_COMPLETED")
+            if not headers.done() and (failed := _failure(prefill, p)) is not None:
+                headers.cancel()
+                await asyncio.gather(headers, return_exceptions=True)
+                d.in_flight -= 1
+                self.failures.labels(server=p.url).inc()
+                return failed
         try:
-            resp = await self.client.send(self.client.build_request("POST", d.url + path, json=body), stream=True)
+            resp = headers.result()
         except httpx.HTTPError as exc:
+            d.unreachable(exc)
             d.in_flight -= 1
             prefill.cancel()
             self.failures.labels(server=d.url).inc()
@@ -211,21 +245,27 @@ class Router:
                 self._finish_in_background(prefill)
 
         async def relay():
-            chunks, nxt = resp.aiter_raw().__aiter__(), None
+            chunks, nxt, prefill_ok = resp.aiter_raw().__aiter__(), None, False
             try:
                 while True:
                     nxt = asyncio.ensure_future(chunks.__anext__())
-                    await asyncio.wait({nxt} if prefill.done() else {nxt, prefill}, return_when="FIRST_COMPLETED")
-                    if not nxt.done():  # the prefill half ended first: did it fail?
-                        if (failed := _failure(prefill, p)) is not None:
+                    await asyncio.wait({nxt} if prefill_ok else {nxt, prefill}, return_when="FIRST_COMPLETED")
+                    if not prefill_ok and prefill.done():  # the prefill half ended (maybe before we began)
+                        if (failed := _failure(prefill, p)) is not None:  # the cause of what decode says next
                             self.failures.labels(server=p.url).inc()
-                            yield b"data: " + bytes(failed.body) + b"\n\n"
+                            yield _event(failed)
                             return
-                        await asyncio.wait({nxt})
+                        prefill_ok = True
+                    await asyncio.wait({nxt})
                     try:
-                        yield nxt.result()
+                        chunk = nxt.result()
                     except StopAsyncIteration:
                         return
+                    except httpx.HTTPError as exc:  # the decode server went away mid-stream
+                        self.failures.labels(server=d.url).inc()
+                        yield _event(error_response(502, f"the decode server {d.url} failed: {exc!r}"))
+                        return
+                    yield chunk
             finally:
                 if nxt is not None and not nxt.done():
                     nxt.cancel()
@@ -268,6 +308,17 @@ class Router:
         for task in list(self._background):
             task.cancel()
         await self.client.aclose()
+
+
+def _prefill_ended(task: asyncio.Task, p: Backend) -> None:
+    p.in_flight -= 1
+    if not task.cancelled():
+        p.unreachable(task.exception())
+
+
+def _event(response: Response) -> bytes:
+    """An error response as the last events of a stream (vLLM ends an errored stream the same way)."""
+    return b"data: " + bytes(response.body) + b"\n\ndata: [DONE]\n\n"
 
 
 def _failure(task: asyncio.Task, p: Backend) -> Response | None:

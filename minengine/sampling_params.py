@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# seeds torch.Generator.manual_seed takes
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one overflows
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,8 +33,10 @@ class SamplingParams:
             raise ValueError(f"top_k is {self.top_k!r}; allowed: -1 or 0 (disabled), or an integer >= 1")
         if not _number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p is {self.min_p!r}; allowed: a number in [0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed is {self.seed!r}; allowed: an integer or None")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(f"seed is {self.seed!r}; allowed: an integer in [{SEED_MIN}, {SEED_MAX}] or None")
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop is {self.stop!r}; allowed: a non-empty string or a list of them")
@@ -45,7 +52,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax sampling: temperature 0, or one so small that dividing by it would overflow."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _number(x: object) -> bool:

@@ -85,6 +85,49 @@ def test_disconnects_free_kv_on_every_worker(dp_server):
     )
 
 
+def test_a_dead_worker_is_noticed_while_another_is_busy():
+    """One worker is killed while the other streams a long decode: the server must notice within a
+    second or so (it used to check only when no worker sent anything for 0.5 s), fail the requests,
+    and end both streams."""
+    import os
+    import signal
+    import threading
+    import time
+    from pathlib import Path
+
+    proc, url = start_server("--dp-size", "2", "--page-size", "4")
+    try:
+        endings: list[str] = []
+        started = threading.Semaphore(0)
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"long {i}", "max_tokens": 3500, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                last = ""
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        started.release()
+                    last = line or last
+                endings.append(last)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]  # one per worker
+        for t in threads:
+            t.start()
+        for _ in range(2):
+            assert started.acquire(timeout=60)
+        workers = [k for k in children(proc.pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        killed = time.monotonic()
+        assert wait_for(lambda: httpx.get(url + "/health").status_code == 503, 5)
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads) and time.monotonic() - killed < 20
+        assert endings == ["data: [DONE]", "data: [DONE]"]  # after an error event
+    finally:
+        stop_server(proc)
+
+
 def test_dp_server_shuts_down_cleanly():
     proc, _ = start_server("--dp-size", "2", "--enable-prefill-delayer")
     kids = children(proc.pid)
@@ -101,3 +144,33 @@ def test_bad_dp_flags():
         [sys.executable, "-m", "minengine.serve", "--dp-size", "0"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "argument --dp-size: dp_size is 0; allowed: an integer >= 1" in r.stderr
+
+
+def test_requests_are_checked_against_the_smallest_worker_pool(tmp_path):
+    """On GPUs each worker sizes its KV pool from its own free memory; the front end must check a
+    request against the smallest, since any worker may get it."""
+    import pickle
+
+    import zmq
+
+    from minengine.server.frontend import SchedulerClient
+    from minengine.server.metrics import Metrics
+    from minengine.server.protocol import Ready
+
+    async def run():
+        outputs = f"ipc://{tmp_path}/outputs"
+        client = SchedulerClient([f"ipc://{tmp_path}/r0", f"ipc://{tmp_path}/r1"], outputs, Metrics())
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(outputs)
+        for rank, capacity in ((0, 4096), (1, 1024)):
+            push.send(pickle.dumps(Ready(vocab_size=260, context_length=4096, kv_capacity_tokens=capacity, rank=rank)))
+        try:
+            return await client.start(lambda: True, timeout=10)
+        finally:
+            client.close()
+            push.close(linger=0)
+            ctx.term()
+
+    ready = asyncio.run(run())
+    assert ready.kv_capacity_tokens == 1024 and ready.context_length == 4096

@@ -344,12 +344,76 @@ def test_a_restarted_prefill_server_is_greeted_again(pair, reference):
 def test_a_request_queued_for_decode_kv_does_not_time_out(pair):
     """The decode pool is full for longer than the timeout; the prefill half of the queued request
     waits (its decode server claimed the room) instead of failing."""
-    pd = pair(timeout=0.5, decode_radix=False, decode={"max_total_tokens": 256})
+    # Both sides step in this one thread, and pings go every timeout / 4: a timeout of 1 s leaves
+    # 0.75 s for one loop turn (about 0.15 s at most here, under load), where 0.5 s left too little.
+    pd = pair(timeout=1.0, decode_radix=False, decode={"max_total_tokens": 256})
     pd.submit("r0", PROMPTS[3], SamplingParams(max_tokens=230, temperature=0, ignore_eos=True))
     pd.submit("r1", PROMPTS[3])
     pd.run_until(lambda: len(pd.d.prealloc) == 1 and pd.out.get("d:r0"))
-    pd.run_until(pd.done("d:r0", "d:r1", "p:r1"), timeout=60)
+    queued = time.monotonic()
+    pd.run_until(lambda: pd.out["d:r0"]["reason"] or time.monotonic() - queued > 3.0, timeout=60)
+    if not pd.out["d:r0"]["reason"]:  # held long enough: make room
+        pd._record("d", pd.d.abort("r0"))
+    waited = time.monotonic() - queued
+    assert waited > 1.0 and pd.out.get("d:r1", {}).get("reason") is None  # over a timeout, and not failed
+    pd.run_until(pd.done("d:r1", "p:r1"), timeout=60)
     assert pd.out["d:r1"]["error"] is None and pd.out["p:r1"]["error"] is None
+    pd.run_until(pd.idle)
+
+
+@pytest.mark.parametrize("lost", ["done", "failed"])
+def test_a_lost_final_answer_is_asked_for_again(pair, reference, monkeypatch, lost):
+    """The prefill side's ROUTER drops a message to a peer that is reconnecting. A decode side that
+    hears nothing about an accepted room for a timeout asks, and gets the answer again."""
+    pd = pair(timeout=0.5)
+    send, dropped = pd.p.xfer.send, []
+
+    def lossy(peer, msg):
+        if msg[0] == lost and not dropped:
+            dropped.append(msg)
+            return
+        send(peer, msg)
+
+    monkeypatch.setattr(pd.p.xfer, "send", lossy)
+    if lost == "failed":
+        monkeypatch.setattr(pd.p.xfer.mover, "write", lambda *a: (_ for _ in ()).throw(RuntimeError("injected")))
+    pd.submit("r", PROMPTS[3])
+    pd.run_until(pd.done("d:r", "p:r"), timeout=20)
+    assert dropped and dropped[0][0] == lost
+    if lost == "done":
+        assert pd.out["d:r"]["error"] is None and pd.out["d:r"]["tokens"] == reference([PROMPTS[3]])[0]
+    else:
+        assert "injected" in pd.out["d:r"]["error"]
+    pd.run_until(pd.idle)
+    # a room the prefill side never heard of is failed at once: nothing of it can be writing
+    pd.p.xfer.answers.clear()
+    r = pd.d.xfer.receiver("127.0.0.1", pd.port, 4242)
+    r.accepted, r.meta = True, ("meta", 4242, [], 0)
+    pd.d.xfer._send(r.addr, ("status", 4242))
+    pd.run_until(lambda: not r.outstanding, timeout=5)
+    assert "no request room 4242" in r.error
+    pd.d.xfer.forget(4242)
+
+
+def test_claims_do_not_pile_up_on_the_prefill_side(pair):
+    pd = pair(timeout=0.5, prefill={"max_total_tokens": 16})
+    for i in range(3):  # rejected by the prefill side: a claim for each arrives after, or before
+        pd.submit(f"big{i}", PROMPTS[4])
+    pd.submit("lonely", PROMPTS[1], to=("d",))  # its prefill half never comes
+    pd.run_until(pd.done("d:big0", "d:big1", "d:big2", "d:lonely"), timeout=20)
+    pd.run_until(lambda: pd.idle() and not pd.p.xfer.claims, timeout=10)
+
+
+def test_a_reconnect_with_the_same_identity_is_heard(pair, reference):
+    """The decode side closes an idle connection and reconnects with the same identity, maybe
+    before the prefill side has seen the old one go (it was busy): the new one must be heard."""
+    pd = pair(timeout=0.3)
+    one = SamplingParams(max_tokens=1, temperature=0)
+    for i in range(16):  # without ROUTER_HANDOVER about one in five reconnects went unheard here
+        pd.submit(f"r{i}", PROMPTS[1], one)
+        pd.run_until(pd.done(f"d:r{i}", f"p:r{i}"))
+        assert pd.out[f"d:r{i}"]["error"] is None, f"reconnect {i}: {pd.out[f'd:r{i}']['error']}"
+        pd.run_until(lambda: not pd.d.xfer.conns)  # idle: closed; the next request reconnects at once
     pd.run_until(pd.idle)
 
 

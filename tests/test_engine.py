@@ -82,6 +82,8 @@ def test_sampling_params_list_must_match(llm):
         (dict(stop=[""]), "stop is"),
         (dict(stop_token_ids=["a"]), "stop_token_ids is"),
         (dict(seed=1.5), "seed is 1.5"),
+        (dict(seed=2**64), rf"seed is {2**64}; allowed: an integer in \[{-(2**63)}, {2**64 - 1}\]"),
+        (dict(seed=-(2**63) - 1), "seed is -9223372036854775809"),
     ],
 )
 def test_sampling_params_validation(kwargs, message):
@@ -100,6 +102,7 @@ def test_sampling_params_validation(kwargs, message):
         (dict(chunked_prefill_size=-5), "chunked_prefill_size is -5"),
         (dict(mem_fraction_static=1.5), r"mem_fraction_static is 1.5; allowed: a number in \(0, 1\)"),
         (dict(disable_radix_cache="yes"), "disable_radix_cache is 'yes'"),
+        (dict(seed=2**64), rf"seed is {2**64}; allowed: an integer in \[0, {2**64 - 1}\]"),
     ],
 )
 def test_config_validation(kwargs, message):
@@ -115,6 +118,45 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
     assert batch[1].token_ids == alone
     other_seed = SamplingParams(temperature=1.0, max_tokens=12, seed=99, ignore_eos=True)
     assert llm.generate(["seeded prompt"], other_seed, use_tqdm=False)[0].token_ids != alone
+
+
+def test_seeds_at_the_ends_of_their_range_sample(llm):
+    for seed in (-(2**63), 2**64 - 1):
+        params = SamplingParams(temperature=1.0, max_tokens=4, seed=seed, ignore_eos=True)
+        assert len(llm.generate(["edge seed"], params, use_tqdm=False)[0].token_ids) == 4
+
+
+def test_a_tiny_temperature_samples_greedily(llm):
+    """Logits divided by 1e-39 overflow float32 (NaN probabilities, token 0 every step); below 1e-5
+    the sampler takes the argmax instead, as vLLM does."""
+    greedy = gen(llm, "tiny temperature", max_tokens=6, ignore_eos=True)
+    for t in (1e-6, 1e-39, 5e-324):
+        assert gen(llm, "tiny temperature", max_tokens=6, ignore_eos=True, temperature=t).token_ids == greedy.token_ids
+
+
+def test_a_stop_token_ends_the_output_but_is_not_its_text(llm):
+    """As in vLLM: EOS or a stop token id is the last output token; the text stops before it, with
+    stop strings (text made token by token) or without (made at the end)."""
+    base = gen(llm, "stop token text", max_tokens=12, ignore_eos=True)
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    for extra in ({}, {"stop": ["\x00never"]}):
+        out = gen(llm, "stop token text", max_tokens=12, stop_token_ids=[stop_id], **extra)
+        assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop"
+        assert out.text == llm.tokenizer.decode(base.token_ids[:first])
+
+
+def test_context_length_past_the_model_positions_is_rejected():
+    with pytest.raises(ValueError, match=r"context_length is 8192; allowed: 1..4096 \(the model's max_position"):
+        LLM("tiny", context_length=8192)
+
+
+def test_offline_delayer_outcomes_do_not_pile_up():
+    llm = LLM("tiny", page_size=4, max_total_tokens=1024, enable_prefill_delayer=True)
+    for _ in range(2):
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+        assert llm.engine.delayer.outcomes == []
+    llm.shutdown()
 
 
 def test_top_k_top_p_min_p_masks():

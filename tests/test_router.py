@@ -185,8 +185,8 @@ def test_dead_prefill_server(cluster):
         # streaming: the stream ends with the prefill error as an event, not after the decode timeout
         start, body = time.monotonic(), {"model": model, "prompt": "hello", "max_tokens": 4, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
-            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
-        assert "prefill server" in events[-1] and '"error"' in events[-1]
+            text = resp.read().decode()  # a 502 before the stream starts, or an error event in it
+        assert "prefill server" in text and '"error"' in text
         assert time.monotonic() - start < 10
         assert httpx.get(url + "/health").status_code == 503
         assert wait_for(lambda: idle(cluster["decode"]), timeout=20)
@@ -219,3 +219,71 @@ def test_prefix_aware_picking():
     first.in_flight += IMBALANCE + 1
     assert picker.pick(routing_key(later)) is other  # unless that server is far busier
     assert routing_key({"prompt": [1, 2]}) == "[1, 2]"
+
+
+def test_a_server_that_refuses_connections_is_passed_over():
+    """A dead server fails fast, so by load alone it would get most requests: a connection error
+    takes it out of picking for a while, unless every server is down."""
+    from minengine.router import Backend, Picker, routing_key
+
+    a, b = Backend("http://a"), Backend("http://b")
+    picker = Picker([a, b])
+    a.unreachable(httpx.ReadTimeout("slow"))  # not a refusal: still picked
+    assert {picker.pick("x").url for _ in range(4)} == {"http://a", "http://b"}
+    a.unreachable(httpx.ConnectError("refused"))
+    assert all(picker.pick(f"prompt {i}" * 9) is b for i in range(6))
+    b.unreachable(httpx.ConnectError("refused"))
+    assert picker.pick("y") in (a, b)  # all down: still answer (with their error)
+    assert routing_key({"messages": 5}) == ""  # a body the server rejects is routed, not a 500
+
+
+def _router_app(handler):
+    """The router's app over fake servers (``handler`` answers both) and a prefill at p, decode at d."""
+    from minengine.router import Backend, Router, build_app
+
+    router = Router([Backend("http://p", 1)], [Backend("http://d")])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
+
+
+def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error():
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "p":
+            await asyncio.sleep(0.2)
+            return httpx.Response(200, json={"choices": []})
+
+        async def body():
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    async def run():
+        async with _router_app(handler) as http:
+            r = await http.post("/v1/completions", json={"prompt": "x", "stream": True}, timeout=10)
+            return r.text
+
+    text = asyncio.run(run())
+    events = [line for line in text.splitlines() if line.startswith("data: ")]
+    assert events[0].startswith('data: {"choices"') and "decode server http://d failed" in events[-2]
+    assert events[-1] == "data: [DONE]"
+
+
+def test_a_silent_decode_server_does_not_hold_a_stream_whose_prefill_failed():
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "p":
+            return httpx.Response(500, json={"error": {"message": "the prefill half failed", "code": 500}})
+        await asyncio.sleep(60)  # accepts, never answers
+
+    async def run():
+        async with _router_app(handler) as http:
+            start = time.monotonic()
+            r = await http.post("/v1/completions", json={"prompt": "x", "stream": True}, timeout=30)
+            return r, time.monotonic() - start
+
+    r, seconds = asyncio.run(run())
+    assert r.status_code == 500 and "prefill half failed" in r.text and seconds < 5

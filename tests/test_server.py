@@ -184,17 +184,98 @@ BAD = [
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    # seeds torch cannot take used to kill the scheduler (choice j of n samples with seed + j)
+    ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
+    ({"prompt": "x", "seed": 2**64 - 1, "n": 2}, "seed"),
+    # JSON types as given: true is not 1
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": [True, 5]}, "prompt"),
+    ({"prompt": "x", "n": 1.5}, "n"),
+    ({"prompt": "hi \ud800 there"}, "prompt"),  # a lone surrogate: not text a tokenizer takes
 ]
 
 
 @pytest.mark.parametrize(("body", "param"), BAD, ids=[p + str(i) for i, (_, p) in enumerate(BAD)])
 def test_bad_completion_requests(server, body, param):
-    r = httpx.post(server + "/v1/completions", json={"model": MODEL, **body})
+    # json.dumps escapes what httpx would not send (a lone surrogate)
+    content = json.dumps({"model": MODEL, **body})
+    r = httpx.post(server + "/v1/completions", content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["code"] == 400 and error["type"] == "BadRequestError"
     assert error["message"]
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_bad_chat_requests_are_400s(server):
+    def post(**body):
+        return httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]} | body)
+
+    r = post(max_completion_tokens=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    assert r.json()["error"]["message"].startswith("max_completion_tokens is 0")
+    body = json.dumps({"messages": [{"role": "user", "content": "a \ud800 b"}]})
+    r = httpx.post(server + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = post(seed=2**64, max_tokens=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = httpx.post(server + "/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_seeds_at_the_ends_of_their_range(client):
+    for seed, n in ((2**64 - 2, 2), (-(2**63), 1)):
+        out = client.completions.create(model=MODEL, prompt="edge", max_tokens=3, seed=seed, n=n, extra_body=LONG)
+        assert [c.finish_reason for c in out.choices] == ["length"] * n
+
+
+def test_cached_tokens_count_each_prompt_once(client):
+    prompt = "a prompt long enough to fill several pages of the prefix cache " * 4
+    for stream in (False, True):
+        for _ in range(2):
+            kwargs = dict(model=MODEL, prompt=prompt, max_tokens=2, n=4, extra_body=LONG)
+            if stream:
+                chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+                usage = chunks[-1].usage
+            else:
+                usage = client.completions.create(**kwargs).usage
+            assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
+        assert usage.prompt_tokens_details.cached_tokens > 0  # the second time, the prompt was cached
+
+
+def test_a_stop_token_is_not_in_the_text(client):
+    """As in vLLM (and the offline LLM): a stop token id ends the output, counts as a completion
+    token, and adds no text."""
+    from minengine import LLM, SamplingParams
+
+    llm = LLM("tiny", page_size=4, max_total_tokens=256)
+    (ref,) = llm.generate("stop token", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    stop_id = ref.token_ids[4]
+    first = ref.token_ids.index(stop_id)
+    kwargs = dict(model=MODEL, prompt="stop token", max_tokens=10, temperature=0)
+    kwargs["extra_body"] = {"stop_token_ids": [stop_id]}
+    out = client.completions.create(**kwargs)
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == first + 1
+    assert out.choices[0].text == llm.tokenizer.decode(ref.token_ids[:first])
+    streamed = client.completions.create(**kwargs, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    kwargs["extra_body"] |= {"stop": ["\x00never"]}  # text made token by token
+    assert client.completions.create(**kwargs).choices[0].text == out.choices[0].text
+
+
+def test_chat_without_max_tokens_fits_a_kv_pool_smaller_than_the_context():
+    """max_tokens defaults to all the room left: the context or, when smaller, the KV pool."""
+    proc, url = start_server("--page-size", "4", "--max-total-tokens", "512")
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        stop_server(proc)
 
 
 def test_context_length_error_names_both_numbers(server):
@@ -416,3 +497,29 @@ def test_bench_serving_smoke(server, dataset, tmp_path):
     assert s["ttft"]["median_ms"] > 0 and s["e2e"]["p99_ms"] >= s["e2e"]["median_ms"]
     assert all(Path(p).stat().st_size > 0 for p in report["plots"])
     assert (tmp_path / f"serving_{dataset}.json").is_file()
+
+
+def test_a_request_the_scheduler_rejects_fails_alone():
+    """The front end checks requests before they reach a scheduler, but one that still fails there
+    (a worker with a smaller KV pool than the one checked against) gets an error of its own; the
+    scheduler goes on."""
+    from minengine import EngineConfig, SamplingParams
+    from minengine.engine import Engine
+    from minengine.server.protocol import AddRequest
+    from minengine.server.scheduler_process import LocalDriver
+
+    driver = LocalDriver(Engine(EngineConfig(model="tiny", page_size=4, max_total_tokens=64), detokenize=False))
+    (update,) = driver.add(AddRequest("big", [1] * 60, SamplingParams(max_tokens=10)))
+    assert update.rid == "big" and update.finish_reason == "abort"
+    assert "exceeds the KV cache capacity of 64 tokens" in update.error
+    assert not driver.live and not driver.has_work()
+    assert driver.add(AddRequest("ok", [1, 2, 3], SamplingParams(max_tokens=2))) == [] and driver.has_work()
+
+
+def test_scheduler_tracebacks_stay_in_the_log():
+    from minengine.server.api import _summary
+    from minengine.server.frontend import SchedulerDied
+
+    died = SchedulerDied('scheduler 0 failed:\nTraceback (most recent call last):\n  File "x.py"\nValueError: boom\n')
+    assert _summary(died) == "scheduler 0 failed: ValueError: boom"
+    assert _summary(SchedulerDied("a scheduler process exited")) == "a scheduler process exited"

@@ -13,10 +13,15 @@ a schema on arrival (a malformed one is dropped, never executed or trusted):
                         ("claim", room)   the decode half exists: wait for its metadata
                         ("meta", room, dst_pages, decode_prefix_len)
                         ("abort", room), ("ping",)
-    prefill -> decode   ("accepted", room)
+                        ("status", room)  no word on an accepted room for a timeout: is it alive?
+    prefill -> decode   ("accepted", room)  (also the answer to "status" while it runs)
                         ("done", room, first_token, pages, bytes, num_writes)
                         ("failed", room, reason), ("released", room, reason), ("pong",)
                         ("who", room)   metadata from a peer it does not know (it restarted)
+
+A ROUTER drops what it sends to a peer that is reconnecting, so a final answer ("done",
+"failed", "released") can be lost: the prefill side keeps it for a while and repeats it when the
+decode side asks ("status"); a room it never heard of is "failed" (nothing of it can be writing).
 
 Data plane: the prefill side WRITEs its pages straight into the decode pool with NIXL, one write
 per sent run of pages, each carrying the notification ``room:i``. The decode side calls a
@@ -149,6 +154,7 @@ _SCHEMA: dict[str, tuple] = {
     "meta": (int, list, int),  # room, decode page ids, decode_prefix_len
     "abort": (int,),
     "ping": (),
+    "status": (int,),
     "accepted": (int,),
     "done": (int, int, int, int, int),  # room, first token, pages, bytes, writes
     "failed": (int, str),
@@ -398,17 +404,18 @@ class KVSender:
             if not self.writes and self.state is not KVPoll.Failed:  # nothing can land any more
                 self.state = KVPoll.Failed
                 if self.peer is not None:
-                    self.mgr.send(self.peer, (self.reply, self.room, self.error))
+                    self.mgr.send_final(self.peer, (self.reply, self.room, self.error))
             return
         if self.first_token is not None and not self.writes and self.state is not KVPoll.Success:
             if self.sent != len(self.dst_pages):
                 self.fail(f"sent {self.sent} pages but the decode side expects {len(self.dst_pages)}")
                 return
             self.state = KVPoll.Success
-            self.mgr.send(self.peer, ("done", self.room, self.first_token, self.sent, self.bytes, self.num_writes))
+            done = ("done", self.room, self.first_token, self.sent, self.bytes, self.num_writes)
+            self.mgr.send_final(self.peer, done)
         elif self.state is KVPoll.Bootstrapping and now - self.created > self.mgr.timeout:
-            claimer = self.mgr.claims.get(self.room)  # a decode server holds it while it waits for KV space
-            if claimer is None or now - self.mgr.peers[claimer].last_heard > self.mgr.timeout:
+            claim = self.mgr.claims.get(self.room)  # a decode server holds it while it waits for KV space
+            if claim is None or now - self.mgr.peers[claim[0]].last_heard > self.mgr.timeout:
                 self.fail(f"no decode server asked for room {self.room} within {self.mgr.timeout:g} s")
         elif self.peer is not None and now - self.mgr.peers[self.peer].last_heard > self.mgr.timeout:
             self.fail(f"the decode server was silent for {self.mgr.timeout:g} s")
@@ -433,6 +440,9 @@ class PrefillTransfer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # a decode server that closed an idle connection reconnects with the same identity, maybe
+        # before we saw the old one go: without handover, the new connection's messages are dropped
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             self.sock.bind(f"tcp://*:{port}")
@@ -446,8 +456,10 @@ class PrefillTransfer:
         self.peers: dict[bytes, _Peer] = {}
         self.senders: dict[int, KVSender] = {}
         self.early: dict[int, tuple[bytes, list[int], int, float]] = {}  # metadata before the request
-        self.claims: dict[int, bytes] = {}  # room -> the decode server waiting to send its metadata
+        # room -> (the decode server waiting to send its metadata, when it said so)
+        self.claims: dict[int, tuple[bytes, float]] = {}
         self.dead_rooms: dict[int, tuple[str, float]] = {}  # failed or aborted before the metadata came
+        self.answers: dict[int, tuple[bytes, tuple, float]] = {}  # room -> its final message, repeated on "status"
 
     def sender(self, room: int, num_prompt_tokens: int) -> KVSender:
         if room in self.senders:
@@ -476,6 +488,11 @@ class PrefillTransfer:
         if s is not None and s.state is KVPoll.Failed and s.peer is None:
             self.dead_rooms[room] = (s.error, time.monotonic())
 
+    def send_final(self, peer: bytes, msg: tuple) -> None:
+        """A room's last message ("done", "failed", "released"), kept to be repeated if lost."""
+        self.answers[msg[1]] = (peer, msg, time.monotonic())
+        self.send(peer, msg)
+
     def send(self, peer: bytes, msg: tuple) -> None:
         try:
             self.sock.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
@@ -501,8 +518,13 @@ class PrefillTransfer:
                 entry = table.pop(room)
                 if table is self.early:
                     self.send(entry[0], ("failed", room, f"the prefill server never received request room {room}"))
-        for room in [r for r, peer in self.claims.items() if now - self.peers[peer].last_heard > self.timeout]:
-            del self.claims[room]  # its decode server went quiet
+        for room in [r for r, (_, _, at) in self.answers.items() if now - at > 3 * self.timeout]:
+            del self.answers[room]  # asked about after one timeout of silence, at most
+        for room, (peer, at) in list(self.claims.items()):
+            quiet = now - self.peers[peer].last_heard > self.timeout  # its decode server went quiet
+            never_came = room not in self.senders and now - at > self.timeout  # the request never got here
+            if quiet or never_came:
+                del self.claims[room]
 
     def _handle(self, peer: bytes, msg: tuple, now: float) -> None:
         kind = msg[0]
@@ -521,12 +543,18 @@ class PrefillTransfer:
             return
         if peer in self.peers:
             self.peers[peer].last_heard = now
-        if kind in ("ping", "claim", "meta") and peer not in self.peers:
+        if kind in ("ping", "claim", "meta", "status") and peer not in self.peers:
             self.send(peer, ("who", msg[1] if len(msg) > 1 else -1))  # we restarted since its hello: it retries
         elif kind == "ping":
             self.send(peer, ("pong",))
         elif kind == "claim":
-            self.claims[msg[1]] = peer
+            room = msg[1]
+            if room in self.dead_rooms:  # rejected here already: tell it now, keep nothing
+                self.send(peer, ("failed", room, self.dead_rooms.pop(room)[0]))
+            else:
+                self.claims[room] = (peer, now)
+        elif kind == "status":
+            self._status(peer, msg[1])
         elif kind == "meta":
             _, room, dst_pages, decode_prefix_len = msg
             bad = [p for p in dst_pages if not (isinstance(p, int) and 0 <= p < self.peers[peer].layout.num_pages)]
@@ -550,6 +578,20 @@ class PrefillTransfer:
                 self.early.pop(room, None)
                 self.dead_rooms[room] = ("aborted by the decode server", now)
                 self.send(peer, ("released", room, "aborted"))
+
+    def _status(self, peer: bytes, room: int) -> None:
+        """Answer a decode server that heard nothing about ``room`` for a timeout."""
+        s = self.senders.get(room)
+        if s is not None and s.peer == peer:
+            if s.state not in (KVPoll.Failed, KVPoll.Success):
+                self.send(peer, ("accepted", room))  # still working on it
+            elif room in self.answers:
+                self.send(peer, self.answers[room][1])
+        elif s is None and room in self.answers and self.answers[room][0] == peer:
+            self.send(peer, self.answers[room][1])  # its final answer was lost
+        elif s is None and room not in self.early:  # unknown here: nothing of it can be writing
+            why = self.dead_rooms.pop(room)[0] if room in self.dead_rooms else f"no request room {room} here"
+            self.send(peer, ("failed", room, why))
 
     def _attach(self, s: KVSender, peer: bytes, dst_pages: list[int], decode_prefix_len: int) -> None:
         if s.peer is not None:
@@ -597,6 +639,7 @@ class KVReceiver:
         self.aborting = False
         self.give_up_at: float | None = None  # aborting: when a silent peer is presumed dead
         self.done_at: float | None = None  # when the prefill side said every write had landed
+        self.last_word = time.monotonic()  # when the prefill side last said something about this room
         self.seconds = 0.0
 
     @property
@@ -745,6 +788,7 @@ class DecodeTransfer:
             if room in self.receivers:
                 self.notif_counts[room] = self.notif_counts.get(room, 0) + 1
                 self.receivers[room].writes_seen = self.notif_counts[room]
+                self.receivers[room].last_word = now
                 self.receivers[room]._check_done()
         waiting = {r.addr for r in self.receivers.values() if r.outstanding}
         for addr in waiting:
@@ -764,6 +808,9 @@ class DecodeTransfer:
                 r.abort(f"the prefill server at {r.addr} was silent for {self.timeout:g} s")
             elif r.meta_sent_at is not None and not r.accepted and now - r.meta_sent_at > self.timeout:
                 r.abort(f"the prefill server at {r.addr} did not take room {r.room} within {self.timeout:g} s")
+            elif r.accepted and r.done_at is None and now - r.last_word > self.timeout:
+                r.last_word = now  # its final answer may have been lost: ask (once per timeout)
+                self._send(r.addr, ("status", r.room))
         in_use = {r.addr for r in self.receivers.values()}
         for addr in [a for a, c in self.conns.items() if a not in in_use and now - c.last_used > self.timeout]:
             self.conns.pop(addr).sock.close(linger=0)  # idle: a later request connects (and says hello) again
@@ -787,6 +834,7 @@ class DecodeTransfer:
         r = self.receivers.get(msg[1])
         if r is None:
             return
+        r.last_word = time.monotonic()
         if kind == "accepted":
             r.accepted = True
             if r.state is KVPoll.WaitingForInput:

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from minengine.engine import check_prompt
-from minengine.sampling_params import SamplingParams
+from minengine.sampling_params import SEED_MAX, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
@@ -44,6 +44,13 @@ _ERROR_TYPES = {
 }
 
 
+def _summary(exc: Exception) -> str:
+    """An error for a client: a scheduler's traceback (it is in the server log) cut to its first
+    line and the exception it ended with."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return " ".join(lines[:1] + lines[-1:]) if len(lines) > 2 else " ".join(lines)
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
@@ -52,12 +59,17 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 # --- request schemas --------------------------------------------------------------------------
 
 
+# strict: JSON types as given (true is not the integer 1, 1.5 is not an integer); ints still pass
+# for floats
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -85,7 +97,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
 
@@ -140,6 +152,8 @@ async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
         data = json.loads(await raw.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
@@ -152,13 +166,16 @@ async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
         ) from None
 
 
-def sampling_params(req: _Sampling, max_tokens: int | None) -> SamplingParams:
+def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:
+    """``req``'s sampling parameters; ``max_tokens`` came from the field ``max_tokens_field``."""
     if req.n < 1:
         raise APIError(400, f"n is {req.n}; allowed: an integer >= 1", "n")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    if req.seed is not None and req.seed <= SEED_MAX < req.seed + req.n - 1:  # choice j samples with seed + j
+        raise APIError(400, f"seed is {req.seed} with n {req.n}; allowed: seed + n - 1 <= {SEED_MAX}", "seed")
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
             temperature=req.temperature,
             top_p=req.top_p,
@@ -170,8 +187,11 @@ def sampling_params(req: _Sampling, max_tokens: int | None) -> SamplingParams:
             ignore_eos=req.ignore_eos,
         )
     except ValueError as exc:
-        message = str(exc)
-        raise APIError(400, message, message.split(" ", 1)[0]) from None
+        message, field_name = str(exc), str(exc).split(" ", 1)[0]
+        if field_name == "max_tokens" and max_tokens_field != "max_tokens":
+            message, field_name = max_tokens_field + message[len("max_tokens") :], max_tokens_field
+        raise APIError(400, message, field_name) from None
+    return params
 
 
 def chat_text(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -247,7 +267,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.exception_handler(SchedulerDied)
     async def _dead(_: Request, exc: SchedulerDied) -> JSONResponse:
-        return error_response(500, f"the scheduler is not running: {exc}")
+        return error_response(500, f"the scheduler is not running: {_summary(exc)}")
 
     @app.exception_handler(RequestFailed)
     async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
@@ -301,12 +321,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             text = state.tokenizer.apply_chat_template(chat_text(req.messages), add_generation_prompt=True)
         except Exception as exc:  # a template may raise on messages it does not accept
             raise APIError(400, f"the chat template failed: {exc}", "messages") from None
-        prompt_ids = state.tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
+        field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None and state.client.ready is not None:  # as vLLM: the rest of the context
-            max_tokens = max(1, state.client.ready.context_length - len(prompt_ids))
+        if max_tokens is None and (ready := state.client.ready) is not None:  # as vLLM: all the room left
+            max_tokens = max(1, min(ready.context_length, ready.kv_capacity_tokens) - len(prompt_ids))
         bootstrap = bootstrap_of(state, req, 1)
-        params = sampling_params(req, max_tokens)
+        params = sampling_params(req, max_tokens, field_name)
         choices = _choices(state, [prompt_ids], params, req.n, bootstrap)
         return await _respond(state, raw, req, choices, chat=True)
 
@@ -331,8 +352,15 @@ def _completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[i
     for p in prompt:
         if isinstance(p, str) and not p:
             raise APIError(400, "prompt is empty", "prompt")
-        out.append(tokenizer.encode(p) if isinstance(p, str) else list(p))
+        out.append(_encode(tokenizer, p, "prompt") if isinstance(p, str) else list(p))
     return out
+
+
+def _encode(tokenizer: Tokenizer, text: str, field_name: str, **kwargs: Any) -> list[int]:
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except Exception as exc:  # text the tokenizer cannot take (a lone surrogate: not valid Unicode)
+        raise APIError(400, f"{field_name} cannot be tokenized: {exc}", field_name) from None
 
 
 def _choices(
@@ -422,10 +450,13 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     model = state.served_model_name
+    # usage counts each prompt once, though its n choices are n requests: its prompt tokens, and
+    # the prefix-cache hits of its first choice
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: req.n])
+    first_choices = {c.index for c in choices[:: req.n]}
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = _stream(state, choices, rid, created, model, chat, include_usage, prompt_tokens)
+        stream = _stream(state, choices, rid, created, model, chat, include_usage, prompt_tokens, first_choices)
         return StreamingResponse(stream, media_type="text/event-stream")
 
     state.enter()
@@ -438,7 +469,7 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
         async for index, piece in _pieces(state, choices):
             texts[index] += piece.text
             completion_tokens += piece.num_tokens
-            cached += piece.cached_tokens
+            cached += piece.cached_tokens if index in first_choices else 0
             if piece.finish_reason is not None:
                 reasons[index] = piece.finish_reason
 
@@ -484,6 +515,7 @@ async def _stream(
     chat: bool,
     include_usage: bool,
     prompt_tokens: int,
+    first_choices: set[int],
 ) -> AsyncIterator[str]:
     kind: Literal["chat.completion.chunk", "text_completion"] = "chat.completion.chunk" if chat else "text_completion"
 
@@ -500,7 +532,7 @@ async def _stream(
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
         async for index, piece in _pieces(state, choices):
             completion_tokens += piece.num_tokens
-            cached += piece.cached_tokens
+            cached += piece.cached_tokens if index in first_choices else 0
             if not piece.text and piece.finish_reason is None:
                 continue
             if chat:
@@ -513,7 +545,8 @@ async def _stream(
             yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
         yield "data: [DONE]\n\n"
     except (SchedulerDied, RequestFailed) as exc:
-        error = {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": 500}}
+        error = {"error": {"message": _summary(exc), "type": "InternalServerError", "param": None, "code": 500}}
         yield f"data: {json.dumps(error)}\n\n"
+        yield "data: [DONE]\n\n"  # the stream still ends as clients expect (vLLM does the same)
     finally:
         state.leave()

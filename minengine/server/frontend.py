@@ -86,7 +86,9 @@ class SchedulerClient:
                 raise SchedulerDied("a scheduler process exited during start-up")
             elif time.monotonic() > deadline:
                 raise SchedulerDied(f"the schedulers were not ready after {timeout:.0f} s")
-        self.ready = ready[0]
+        # requests are checked against the smallest KV pool: any worker may be given one (on GPUs
+        # each sizes its pool from its own free memory)
+        self.ready = replace(ready[0], kv_capacity_tokens=min(r.kv_capacity_tokens for r in ready.values()))
         self._dispatcher = asyncio.create_task(self._dispatch(is_alive))
         return self.ready
 
@@ -133,6 +135,7 @@ class SchedulerClient:
                 sock.send(pickle.dumps(Shutdown()))
 
     async def _dispatch(self, is_alive) -> None:
+        checked = time.monotonic()
         while True:
             if await self.inbox.poll(500):
                 msg = pickle.loads(await self.inbox.recv())
@@ -144,13 +147,15 @@ class SchedulerClient:
                     for update in msg.updates:
                         if (queue := self.queues.get(update.rid)) is not None:
                             queue.put_nowait(update)
-                    continue
-                if isinstance(msg, Fatal):
+                elif isinstance(msg, Fatal):
                     self._fail(f"scheduler {msg.rank} failed:\n{msg.message}")
                     return
-            elif not is_alive():
-                self._fail("a scheduler process exited")
-                return
+            # every 0.5 s, busy or not: a dead worker must not wait for the others to go quiet
+            if time.monotonic() - checked >= 0.5:
+                checked = time.monotonic()
+                if not is_alive():
+                    self._fail("a scheduler process exited")
+                    return
 
     def _fail(self, why: str) -> None:
         if self._shutdown_sent:
@@ -182,6 +187,12 @@ def _waiting_updates(update: TokenUpdate, queue: asyncio.Queue) -> tuple[list[To
             return batch, item
         batch.append(item)
     return batch, None
+
+
+def _text_ids(ids: list[int], reason: str | None) -> list[int]:
+    """The tokens of an update that make text: a scheduler's "stop" is an EOS or stop token id,
+    which ends the output but is not part of its text (as in vLLM)."""
+    return ids[:-1] if reason == "stop" and ids else ids
 
 
 @dataclass
@@ -244,11 +255,11 @@ async def generate(
                 cached += update.cached_tokens
                 reason = update.finish_reason
                 if detok.stop:  # only stop strings need the text update by update
-                    text += detok.add(update.new_token_ids)
+                    text += detok.add(_text_ids(update.new_token_ids, reason))
                     if detok.stopped:
                         break
             if not detok.stop:
-                text = detok.add(ids)
+                text = detok.add(_text_ids(ids, reason))
             if detok.stopped and reason != "abort":  # a stop string, before any end in its update
                 if reason is None:  # we are done, the scheduler is not
                     client.abort(rid)

@@ -105,7 +105,10 @@ class LocalDriver:
         self.live: dict[str, Request] = {}
 
     def add(self, msg: AddRequest) -> list[TokenUpdate]:
-        self.live[msg.rid] = self.engine.add_request(msg.prompt_ids, msg.params)
+        try:
+            self.live[msg.rid] = self.engine.add_request(msg.prompt_ids, msg.params)
+        except ValueError as exc:  # the front end checks requests first; this one still fails alone
+            return [TokenUpdate(msg.rid, [], "abort", error=f"rejected by the scheduler: {exc}")]
         return []
 
     def abort(self, rid: str) -> list[TokenUpdate]:
