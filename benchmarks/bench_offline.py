@@ -106,7 +106,8 @@ def sync() -> None:
 def run_minengine(path: str, dummy: bool, prompts, out_lens, args) -> dict:
     from minengine import LLM, SamplingParams
 
-    config = dict(context_length=args.context_length, load_format="dummy" if dummy else "auto")
+    positions = json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings", args.context_length)
+    config = dict(context_length=min(args.context_length, positions), load_format="dummy" if dummy else "auto")
     if args.smoke:
         config |= dict(max_total_tokens=8192)
     llm = LLM(path, **config)
