@@ -53,7 +53,11 @@ def test_delayer_delays_and_times_out_across_workers(dp_server):
                 http.post(url + "/v1/completions", json={"prompt": f"s{i}", "max_tokens": 3, "ignore_eos": True})
                 for i in range(6)
             ]
-            return [r.json() for r in await asyncio.gather(*tasks, *short)]
+            # one short prompt alone: one worker can prefill, the other cannot ("mixed"), so it
+            # waits the full delay (a burst could reach both workers in one pass: "all", which
+            # lets it in as soon as the decodes leave room, and may never time out)
+            first = await short[0]
+            return [first.json()] + [r.json() for r in await asyncio.gather(*tasks, *short[1:])]
 
     outs = asyncio.run(run())
     assert all(o["choices"][0]["finish_reason"] == "length" for o in outs)  # every request completes
