@@ -210,14 +210,19 @@ class Router:
         request = self.client.build_request("POST", d.url + path, json=body)
         headers = asyncio.ensure_future(self.client.send(request, stream=True))
         # the decode server answers once the request is admitted; a failed prefill half ends the wait
-        while not headers.done():
-            await asyncio.wait({headers} if prefill.done() else {headers, prefill}, return_when="FIRST_COMPLETED")
-            if not headers.done() and (failed := _failure(prefill, p)) is not None:
-                headers.cancel()
-                await asyncio.gather(headers, return_exceptions=True)
-                d.in_flight -= 1
-                self.failures.labels(server=p.url).inc()
-                return failed
+        try:
+            while not headers.done():
+                await asyncio.wait({headers} if prefill.done() else {headers, prefill}, return_when="FIRST_COMPLETED")
+                if not headers.done() and (failed := _failure(prefill, p)) is not None:
+                    headers.cancel()
+                    await asyncio.gather(headers, return_exceptions=True)
+                    d.in_flight -= 1
+                    self.failures.labels(server=p.url).inc()
+                    return failed
+        except BaseException:  # cancelled (the client went away): no decode request left behind
+            headers.cancel()
+            d.in_flight -= 1
+            raise
         try:
             resp = headers.result()
         except httpx.HTTPError as exc:
