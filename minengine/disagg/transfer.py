@@ -490,6 +490,7 @@ class PrefillTransfer:
 
     def send_final(self, peer: bytes, msg: tuple) -> None:
         """A room's last message ("done", "failed", "released"), kept to be repeated if lost."""
+        self.answers.pop(msg[1], None)  # re-inserted at the end: the table stays in time order
         self.answers[msg[1]] = (peer, msg, time.monotonic())
         self.send(peer, msg)
 
@@ -518,8 +519,10 @@ class PrefillTransfer:
                 entry = table.pop(room)
                 if table is self.early:
                     self.send(entry[0], ("failed", room, f"the prefill server never received request room {room}"))
-        for room in [r for r, (_, _, at) in self.answers.items() if now - at > 3 * self.timeout]:
-            del self.answers[room]  # asked about after one timeout of silence, at most
+        # asked about after one timeout of silence, at most; kept in the order they were made, so
+        # only the expired ones at the front are looked at (this runs every scheduler step)
+        while self.answers and now - next(iter(self.answers.values()))[2] > 3 * self.timeout:
+            del self.answers[next(iter(self.answers))]
         for room, (peer, at) in list(self.claims.items()):
             quiet = now - self.peers[peer].last_heard > self.timeout  # its decode server went quiet
             never_came = room not in self.senders and now - at > self.timeout  # the request never got here
