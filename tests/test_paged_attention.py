@@ -240,6 +240,32 @@ def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
         triton_kernels.paged_attention(*batch.args())
 
 
+@pytest.mark.parametrize(
+    ("triton_version", "numpy_version", "broken"),
+    [("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.4.6", False), ("3.10.0", "3.0.0", False)],
+)
+def test_interpreter_with_numpy_it_cannot_run_is_a_clear_error(monkeypatch, triton_version, numpy_version, broken):
+    """Triton < 3.7's interpreter fails on NumPy >= 2.4 deep inside the kernel; we say why first."""
+    import numpy
+    import triton
+
+    import triton_kernels._common as common
+    from triton_kernels import attention
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    common.interpreter_problem.cache_clear()
+    monkeypatch.setattr(attention, "interpreting", lambda: True)
+    try:
+        assert bool(common.interpreter_problem()) is broken
+        if broken:
+            batch = batch_for([1], [3], torch.float32, "cpu")
+            with pytest.raises(RuntimeError, match=rf"Triton {triton_version}.*NumPy {numpy_version}.*numpy<2\.4"):
+                triton_kernels.paged_attention(*batch.args())
+    finally:
+        common.interpreter_problem.cache_clear()
+
+
 @pytest.mark.parametrize("max_seqlen_q", [1, 2048])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_tile_configs(max_seqlen_q, dtype, device, monkeypatch):

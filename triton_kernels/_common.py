@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
+import numpy
 import torch
 import triton
 
@@ -17,6 +19,27 @@ def interpreting() -> bool:
     if knobs is not None and hasattr(knobs, "runtime"):
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = (int(x) for x in re.findall(r"\d+", version)[:2])
+    return major, minor
+
+
+@functools.cache
+def interpreter_problem() -> str:
+    """Why Triton's interpreter cannot run the attention kernel here, or "" when it can.
+
+    Triton before 3.7 turns a loop bound computed in the kernel into a Python int with
+    ``int(array)`` on a one-element array, which NumPy 2.4 turned from a deprecation into an error.
+    """
+    if _major_minor(triton.__version__) < (3, 7) and _major_minor(numpy.__version__) >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run the attention kernel with NumPy "
+            f"{numpy.__version__} (its loop bounds need NumPy < 2.4): install numpy<2.4 or triton>=3.7 "
+            "for CPU runs, or use the torch backend"
+        )
+    return ""
 
 
 def debug_checks() -> bool:

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._common import check_runnable, debug_checks, interpreting, num_sms
+from triton_kernels._common import check_runnable, debug_checks, interpreter_problem, interpreting, num_sms
 from triton_kernels.contract import check_paged_attention, check_paged_attention_values
 
 LOG2E = 1.4426950408889634
@@ -230,7 +230,8 @@ def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype
         return AttentionConfig(group_rows, tile_n=32, num_warps=8, num_stages=2)
     wide = head_dim > 128
     if max_seqlen_q * group <= group_rows:  # decode-only (or tiny chunks): one token per row group
-        return AttentionConfig(group_rows, tile_n=32 if wide else 64, num_warps=4, num_stages=3)
+        # 2 stages: with 3, Triton 3.6 caps the split-KV variant at 128 registers and spills on sm_90
+        return AttentionConfig(group_rows, tile_n=32 if wide else 64, num_warps=4, num_stages=2)
     block_m = max(group_rows, 64 if wide else 128)
     return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8 if block_m >= 128 else 4, num_stages=2)
 
@@ -271,6 +272,8 @@ def paged_attention(
         return out
     group = dims.num_q_heads // dims.num_kv_heads
     interpret = interpreting()
+    if interpret and interpreter_problem():
+        raise RuntimeError(interpreter_problem())
     cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret)
     block_q = max(1, cfg.block_m // group)
     if num_splits is None:
