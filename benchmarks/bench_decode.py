@@ -3,7 +3,9 @@
 For a Llama-3-8B-shaped model with random bf16 weights, at batch 1, 16, 64, 256 and context 1k
 and 4k: fill the batch (prompts of that length), then time steady-state decode steps.
 
-    roofline = (weight bytes + KV bytes read per step) / measured copy bandwidth
+    roofline = (weight bytes read + KV bytes read per step) / measured copy bandwidth
+
+(Weight bytes: every parameter once, but only the batch's rows of an untied input embedding.)
 
 Target: step time <= 1.25 x roofline at batch >= 16. Idle time: a torch-profiler trace of
 decode steps; idle = 1 - (union of GPU kernel intervals) / (trace window), with overlap
@@ -122,6 +124,16 @@ def idle_fraction(llm, steps: int) -> float | None:
     return 1 - busy / (spans[-1][1] - spans[0][0])
 
 
+def decode_weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    """Weight bytes one decode step reads: every parameter once (tied embeddings are one tensor,
+    read in full by lm_head), except an untied input embedding, of which only ``batch`` rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    if embed is not head:
+        total -= embed.numel() * embed.element_size() - batch * embed.shape[1] * embed.element_size()
+    return total
+
+
 def roofline_seconds(cfg: dict, batch: int, context: int, copy_gbps: float, weight_bytes: int) -> float:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv = batch * context * cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
@@ -195,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
                 reqs = fill(llm, batch, context, args.steps, cfg["vocab_size"])
                 if overlap:
                     row["step_ms"] = time_steps(llm, args.steps) * 1e3
-                    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+                    weights = decode_weight_bytes(llm.engine.model, batch)
                     row["roofline_ms"] = roofline_seconds(cfg, batch, context, copy_gbps, weights) * 1e3
                 row["idle_overlap" if overlap else "idle_no_overlap"] = idle_fraction(llm, args.steps)
                 drain(llm, reqs)

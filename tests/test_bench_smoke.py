@@ -91,6 +91,21 @@ def test_bench_host_step_smoke(tmp_path):
     assert "| 4 | stop strings |" in (tmp_path / "host_step_smoke.md").read_text()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_bench_decode_roofline_reads_only_the_batch_rows_of_an_untied_embedding(tied):
+    bench = load_bench("bench_decode")
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(1000, 8, dtype=torch.bfloat16)
+    model.model.layer = torch.nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)
+    model.lm_head = torch.nn.Linear(8, 1000, bias=False, dtype=torch.bfloat16)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    layer, table = 8 * 8 * 2, 1000 * 8 * 2
+    expected = layer + table + (16 * 8 * 2 if not tied else 0)  # lm_head reads the whole table either way
+    assert bench.decode_weight_bytes(model, 16) == expected
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
 def test_bench_decode_skips_points_the_pool_cannot_hold(tmp_path):
     """A point whose batch x (context + generated) exceeds the KV pool is recorded as skipped, not

@@ -214,6 +214,37 @@ def test_inference_mode_metadata_plans_every_call(fake_flashinfer, caplog):
     assert relative_error(out, reference.paged_attention(*batch.to_float64())) < 1e-5
 
 
+def test_prefill_batch_past_flashinfers_fixed_buffers_is_an_error(fake_flashinfer, monkeypatch):
+    """FlashInfer's sm_90 prefill path writes one int32 per key of the batch into a fixed 16M-entry
+    buffer without a bounds check (shared prefix pages let the keys of a batch exceed the pool)."""
+    monkeypatch.setattr(flashinfer_ref, "PREFILL_MAX_KV_TOKENS", 15)
+    backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+    small = make_paged_batch([3, 1], [9, 6], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                             dtype=torch.float32, device="cpu")  # fmt: skip
+    backend(*small.args())  # 15 keys: at the limit
+    big = make_paged_batch([3, 1], [10, 6], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                           dtype=torch.float32, device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match="2 sequences and 16 keys in all; allowed: .* at most 15 keys"):
+        backend(*big.args())
+    decode = make_paged_batch([1, 1], [10, 6], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                              dtype=torch.float32, device="cpu")  # fmt: skip
+    backend(*decode.args())  # the decode wrapper has no such buffer
+
+
+def test_available_says_why_an_installed_flashinfer_does_not_import(tmp_path, monkeypatch, caplog):
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text("import a_dependency_that_is_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    flashinfer_ref.available.cache_clear()
+    try:
+        assert flashinfer_ref.available() is False
+        assert "does not import" in caplog.text and "a_dependency_that_is_missing" in caplog.text
+    finally:
+        flashinfer_ref.available.cache_clear()
+        sys.modules.pop("flashinfer", None)
+
+
 def test_one_plan_per_batch(fake_flashinfer):
     """Every layer of a step passes the same metadata tensors: one plan; new tensors or an in-place
     change of one of them (a CUDA-graph style update) plan again."""

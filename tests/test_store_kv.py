@@ -67,6 +67,7 @@ def test_store_kv_all_padding_and_empty(device, kernels):
         (dict(v=lambda a: a["v"][:, :1]), "v has shape"),
         (dict(k=lambda a: a["k"][..., :32], v=lambda a: a["v"][..., :32]), "must match the cache"),
         (dict(slot_mapping=lambda a: a["slot_mapping"][:3]), "slot_mapping has shape"),
+        (dict(slot_mapping=lambda a: a["slot_mapping"].repeat_interleave(2)[::2]), "slot_mapping must be contiguous"),
     ],
 )
 def test_store_kv_bad_arguments(change, message, device):

@@ -168,6 +168,7 @@ def check_store_kv(
         _expect(t.stride(-1) == 1, f"{name}'s last dim must be contiguous; strides are {t.stride()}")
     _expect_dtype("slot_mapping", slot_mapping, (torch.int64,))
     _expect_shape("slot_mapping", slot_mapping, (k.shape[0],))
+    _expect(slot_mapping.is_contiguous(), f"slot_mapping must be contiguous; its stride is {slot_mapping.stride(0)}")
     _expect_device(k.device, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
 
 

@@ -7,7 +7,7 @@ Contract::
     k, v          [num_tokens, Hkv, D]            same dtype as the caches; last dim contiguous
     k_cache       [num_pages, page_size, Hkv, D]  any strides (last dim 1); views of one tensor work
     v_cache       [num_pages, page_size, Hkv, D]
-    slot_mapping  int64 [num_tokens]  token i goes to page s // page_size, offset s % page_size,
+    slot_mapping  int64 [num_tokens], contiguous; token i goes to page s // page_size, offset s % page_size,
                   where s = slot_mapping[i]; s < 0 marks padding and is skipped
 
 Nothing else in either cache changes. Offsets are 64-bit.

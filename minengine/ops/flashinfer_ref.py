@@ -24,6 +24,7 @@ device has almost always executed by then.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
@@ -35,12 +36,22 @@ from minengine.ops import HostMetadata
 
 logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV partials), as in vLLM
+# Fixed buffers of FlashInfer's prefill wrapper on its fa3 path (sm_90), filled without bounds
+# checks: one int32 per key of the batch, one per sequence.
+PREFILL_MAX_KV_TOKENS = 16 * 1024 * 1024
+PREFILL_MAX_SEQS = 32768
 
 
+@functools.cache
 def available() -> bool:
     try:
         import flashinfer  # noqa: F401
-    except Exception:
+    except ModuleNotFoundError as e:
+        if e.name != "flashinfer":  # installed, but something it imports is missing: say what
+            logger.warning("flashinfer is installed but does not import: %s", e)
+        return False
+    except Exception as e:
+        logger.warning("flashinfer is installed but does not import: %r", e)
         return False
     return torch.cuda.is_available()
 
@@ -195,6 +206,12 @@ class FlashInferBackend:
             cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
             indptr, indices, last = (_host_int32(x, pin) for x in csr_pages(block_tables, seq_lens, page_size))
         decode_only = all(hi - lo == 1 for lo, hi in zip(cu, cu[1:], strict=False))
+        if not decode_only and (sum(lens) > PREFILL_MAX_KV_TOKENS or len(lens) >= PREFILL_MAX_SEQS):
+            raise ValueError(
+                f"flashinfer: this prefill batch has {len(lens)} sequences and {sum(lens)} keys in all; "
+                f"allowed: fewer than {PREFILL_MAX_SEQS} sequences and at most {PREFILL_MAX_KV_TOKENS} keys "
+                "(FlashInfer's fixed prefill buffers)"
+            )
         wrapper = self._wrapper_for("decode" if decode_only else "prefill", hq // hkv, q.device)
         common = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
         if pin:
