@@ -269,8 +269,9 @@ def measure_config(
     return rows
 
 
-class Stopped(Exception):
-    """SIGTERM from the caller's time limit: stop measuring and write what was measured."""
+class Stopped(BaseException):
+    """SIGTERM from the caller's time limit: stop measuring and write what was measured (a
+    BaseException, so the ``except Exception`` skips around backends do not swallow it)."""
 
 
 def _stop(signum, frame) -> None:
@@ -323,10 +324,15 @@ def plot_grid(rows: list[dict], path: Path) -> None:
 
 def markdown(report: dict) -> str:
     ceil = report["ceilings"]
-    lines = [
-        *header("bench_attention", report),
-        f"- ceilings: copy {ceil['copy_gbps']:.0f} GB/s (read + write), "
-        f"bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s",
+    lines = [*header("bench_attention", report)]
+    if report.get("stopped_during"):
+        lines.append(f"- STOPPED by the time limit during {report['stopped_during']}: the rest was not measured")
+    if ceil:
+        lines.append(
+            f"- ceilings: copy {ceil['copy_gbps']:.0f} GB/s (read + write), "
+            f"bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s"
+        )
+    lines += [
         "",
         "| case | shape | triton ms | KV GB/s | of copy BW | TFLOP/s | of matmul peak "
         "| torch/triton | FlashInfer/triton | err vs fp64 | cuda ms | cuda wgmma ms |",
@@ -344,6 +350,8 @@ def markdown(report: dict) -> str:
             f"{fmt(r, 'cuda_ms', '.4f')} | {fmt(r, 'cuda_wgmma_ms', '.4f')} |"
         )
     lines += ["", "Targets:"] + [f"- {t}" for t in report["targets"]]
+    if report.get("tuning"):
+        lines += ["", f"Tuning table: {report['tuning']}"]
     if report.get("grid"):
         lines += [
             "",
@@ -392,22 +400,23 @@ def check_targets(rows: list[dict]) -> list[str]:
     return verdicts
 
 
-def write_tuning(grid: list[dict], report: dict, device: torch.device) -> Path:
-    """The table `auto` reads on this device: per (kind, dtype, head dim), the faster of ours."""
+def write_tuning(grid: list[dict], report: dict, device: torch.device) -> str:
+    """The table `auto` reads on this device: per (kind, dtype, head dim), the faster of ours.
+    Returns the path written, or why none was (the report is saved either way)."""
     from minengine.ops import tuning
 
     if device.type != "cuda":
-        raise SystemExit("--write-tuning needs a CUDA GPU (the table is per device)")
+        return "not written: --write-tuning needs a CUDA GPU (the table is per device)"
     choices = tuning.pick_from_rows(grid)
     if not choices:
-        raise SystemExit("--write-tuning needs --suite full with both the triton and cuda backends timed")
+        return "not written: no grid config has both the triton and cuda backends timed (needs --suite full)"
     name = torch.cuda.get_device_name(device)
     path = tuning.table_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"device_name": name, "command": report["command"], "date": report["date"], "info": report["info"]}
     path.write_text(json.dumps({**meta, "choices": choices}, indent=1) + "\n")
     print(f"wrote {path}")
-    return path
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -456,26 +465,34 @@ def main(argv: list[str] | None = None) -> dict:
         args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 2, 32
     bench = timer(device)
     torch.manual_seed(0)
-    ceilings = measure_ceilings(device, bench, args.smoke)
     selected = [c for c in cases(256 if args.smoke else 1) if c.name in args.cases]
     if args.smoke:
         selected = [Case(c.name, c.label, c.q_lens[:3], c.seq_lens[:3], c.split_at) for c in selected]
-    rows = []
-    for case in selected:
-        rows.append(run_case(case, args, device, bench, ceilings))
-        print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rows[-1].items()}), flush=True)
-    targets = check_targets(rows) if set("abcde") <= set(args.cases) else []
-    grid, left_out = run_grid(args, device, bench, ceilings, deadline) if args.suite == "full" else ([], [])
+    rows, ceilings, grid, left_out, stopped = [], {}, [], [], None
+    try:  # a stop here still writes the report: what was measured, and where it stopped
+        ceilings = measure_ceilings(device, bench, args.smoke)
+        for case in selected:
+            stopped = f"case {case.name}"
+            rows.append(run_case(case, args, device, bench, ceilings))
+            print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
+                  flush=True)  # fmt: skip
+        stopped = None
+    except Stopped:
+        stopped = stopped or "the ceilings"
+        print(f"stopped by SIGTERM during {stopped}", flush=True)
+    targets = check_targets(rows) if set("abcde") <= set(args.cases) and not stopped else []
+    if args.suite == "full" and not stopped:
+        grid, left_out = run_grid(args, device, bench, ceilings, deadline)
     report = make_report(
         argv, "bench_attention", device, args, rows, ceilings=ceilings, targets=targets, grid=grid,
-        grid_left_out=left_out,
+        grid_left_out=left_out, stopped_during=stopped,
     )  # fmt: skip
-    if grid:
-        args.out.mkdir(parents=True, exist_ok=True)
-        plot_grid(grid, args.out / f"{stem('attention', report)}_grid.png")
     if args.write_tuning:
-        write_tuning(grid, report, device)
+        report["tuning"] = write_tuning(grid, report, device)
+        print(f"tuning table: {report['tuning']}", flush=True)
     save(args.out, stem("attention", report), report, markdown(report))
+    if grid:
+        plot_grid(grid, args.out / f"{stem('attention', report)}_grid.png")
     print(markdown(report))
     return report
 

@@ -109,7 +109,9 @@ def workloads(args) -> dict[str, list[str]]:
     }
 
 
-def run(args) -> list[dict]:
+def run(args, on_row=lambda rows: None) -> list[dict]:
+    """Every workload with the decode radix cache off, then on; ``on_row(rows)`` after each row (the
+    report is saved there, so a run stopped by a time limit keeps what it measured)."""
     rows = []
     for decode_radix in (False, True):
         with cluster(args, decode_radix) as (router, decode):
@@ -135,13 +137,19 @@ def run(args) -> list[dict]:
                         "request_throughput": s["request_throughput"],
                     }
                 )
+                add_ratios(rows)
+                on_row(rows)
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Radix-on rows against the radix-off row of the same workload."""
     for row in rows:
         if row["decode_radix_cache"]:
             off = next(r for r in rows if r["workload"] == row["workload"] and not r["decode_radix_cache"])
             row["throughput_vs_off"] = row["request_throughput"] / max(off["request_throughput"], 1e-9)
             row["ttft_p50_off_over_on"] = off["ttft_p50_ms"] / max(row["ttft_p50_ms"], 1e-9)
             row["bytes_vs_off"] = row["kv_bytes"] / max(off["kv_bytes"], 1)
-    return rows
 
 
 def markdown(rep: dict) -> str:
@@ -187,15 +195,18 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    config = argparse.Namespace(**vars(args))  # the report's config, without the temporary dir set below
+
+    def write(rows: list[dict]) -> dict:
+        rep = report(argv, "bench_disagg", device, config, rows)
+        save(args.out, stem("disagg", rep), rep, markdown(rep))
+        return rep
+
     with tempfile.TemporaryDirectory() as tmp:
         args.tmp = tmp
-        rows = run(args)
-    del args.tmp
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    rep = report(argv, "bench_disagg", device, args, rows)
-    md = markdown(rep)
-    save(args.out, stem("disagg", rep), rep, md)
-    print(md)
+        rep = write(run(args, on_row=write))
+    print(markdown(rep))
     return rep
 
 

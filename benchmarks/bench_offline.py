@@ -132,9 +132,10 @@ def run_minengine(path: str, dummy: bool, prompts, out_lens, args) -> dict:
 def run_transformers(path: str, dummy: bool, prompts, out_lens, args) -> dict:
     import transformers
 
-    if dummy:
+    if dummy:  # random weights made on the GPU (an 8B model initialised on the CPU takes minutes)
         cfg = transformers.AutoConfig.from_pretrained(path)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     model = model.to("cuda").eval()
@@ -210,19 +211,22 @@ def main(argv: list[str] | None = None) -> dict:
         return report
 
     with tempfile.TemporaryDirectory() as tmp:
+        runs = []  # minengine on every model first, then the transformers baselines (slower, less needed)
         for name in args.model:
             path, dummy = model_dir(name, Path(tmp))
             vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
             prompts, out_lens = workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
             row = {"model": name, "minengine": run_minengine(path, dummy, prompts, out_lens, args)}
             rows.append(row)
+            runs.append((row, path, dummy, prompts, out_lens))
             write()
-            if not args.no_hf:
-                try:
-                    row["transformers"] = run_transformers(path, dummy, prompts, out_lens, args)
-                except Exception as exc:  # record why, keep our numbers
-                    row["transformers"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-                write()
+            print(json.dumps(row), flush=True)
+        for row, path, dummy, prompts, out_lens in runs if not args.no_hf else ():
+            try:
+                row["transformers"] = run_transformers(path, dummy, prompts, out_lens, args)
+            except Exception as exc:  # record why, keep our numbers
+                row["transformers"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            write()
             print(json.dumps(row), flush=True)
     report = write()
     print(markdown(report))

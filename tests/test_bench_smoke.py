@@ -64,6 +64,27 @@ def test_bench_offline_smoke(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_stopped_during_the_cases_still_writes_the_report(tmp_path, monkeypatch):
+    """The phase's time limit (SIGTERM -> Stopped) can land in the core cases, and --write-tuning can
+    have nothing to write: the report with what was measured is saved either way."""
+    bench = load_bench()
+    real = bench.run_case
+
+    def run_case(case, *args):
+        if case.name == "b":
+            raise bench.Stopped
+        return real(case, *args)
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    report = bench.main(["--smoke", "--cases", "abc", "--suite", "full", "--write-tuning", "--out", str(tmp_path)])
+    assert [r["case"] for r in report["rows"]] == ["a"] and report["grid"] == []
+    assert report["stopped_during"] == "case b" and report["tuning"].startswith("not written")
+    saved = json.loads((tmp_path / "attention_smoke.json").read_text())
+    assert saved["stopped_during"] == "case b" and len(saved["rows"]) == 1
+    assert "STOPPED by the time limit during case b" in (tmp_path / "attention_smoke.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
 def test_bench_decode_smoke(tmp_path):
     bench = load_bench("bench_decode")
     report = bench.main(["--smoke", "--out", str(tmp_path)])
@@ -140,11 +161,16 @@ def test_bench_attention_time_budget_leaves_configs_out(tmp_path):
     assert "Left out by --time-budget (12 grid configs)" in (tmp_path / "attention_smoke.md").read_text()
 
 
-def test_bench_disagg_smoke(tmp_path):
-    """Prefill + decode + router processes on CPU, decode radix cache off then on."""
+def test_bench_disagg_smoke(tmp_path, monkeypatch):
+    """Prefill + decode + router processes on CPU, decode radix cache off then on; the report is
+    saved after every row (a run stopped by a time limit keeps what it measured)."""
     pytest.importorskip("nixl")
     bench = load_bench("bench_disagg")
+    saved_rows, real_save = [], bench.save
+    monkeypatch.setattr(bench, "save", lambda out, stem, rep, md: (saved_rows.append(len(rep["rows"])),
+                                                                   real_save(out, stem, rep, md)))  # fmt: skip
     report = bench.main(["--smoke", "--out", str(tmp_path)])
+    assert saved_rows == [1, 2, 3, 4, 4]
     rows = {(r["workload"], r["decode_radix_cache"]): r for r in report["rows"]}
     assert len(rows) == 4 and all(r["failed"] == 0 and r["completed"] > 0 for r in rows.values())
     for workload in ("multi-turn", "generated-shared-prefix"):
