@@ -26,6 +26,7 @@
 #include <ucontext.h>
 #include <vector_types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -218,10 +219,26 @@ inline void ldmatrix_x4(uint32_t r[4], const void* row, bool trans) {
              });
 }
 
+// When a cp.async lands: on the GPU, anywhere between its issue and the wait that covers it. By
+// default the emulator lands it as late as allowed (at that wait), which exposes a read of a stage
+// before the barrier that follows the wait (read after write). Landing it at issue, with one warp
+// at a time running ahead (run_block), exposes a refill issued before every warp has finished
+// reading the buffer (write after read): the warps that run later read the new data. The tests
+// run both.
+inline bool& land_at_issue() {
+  static bool eager = false;
+  return eager;
+}
+
 inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
   // The GPU faults on a cp.async whose addresses are not aligned to its size.
   if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes != 0) {
     throw std::runtime_error("cp.async of " + std::to_string(bytes) + " bytes from a misaligned address");
+  }
+  if (land_at_issue()) {  // its group stays empty, so the proxy-fence check is the late mode's job
+    std::memcpy(dst, src, static_cast<size_t>(src_bytes));
+    std::memset(static_cast<char*>(dst) + src_bytes, 0, static_cast<size_t>(bytes - src_bytes));
+    return;
   }
   state().current->open.push_back({dst, src, bytes, src_bytes});
 }
@@ -407,14 +424,25 @@ inline void run_block() {
     f.context.uc_link = nullptr;
     makecontext(&f.context, fiber_entry, 0);
   }
+  // Default: every thread in turn, so warps move in lockstep. With copies landing at issue, one
+  // warp at a time runs as far as it can (to a block or warpgroup barrier) before the next starts:
+  // the earliest warp then refills a buffer before the later ones have read it, if no barrier
+  // stops it.
+  const unsigned step = land_at_issue() ? 32u : threads;
   for (unsigned left = threads; left > 0;) {
     const uint64_t before = b.events;
-    for (unsigned i = 0; i < threads; ++i) {
-      Fiber& f = b.fibers[i];
-      if (f.done) continue;
-      b.current = &f;
-      swapcontext(&b.scheduler, &f.context);
-      if (f.done) --left;
+    for (unsigned first = 0; first < threads; first += step) {
+      uint64_t seen;
+      do {
+        seen = b.events;
+        for (unsigned i = first; i < std::min(threads, first + step); ++i) {
+          Fiber& f = b.fibers[i];
+          if (f.done) continue;
+          b.current = &f;
+          swapcontext(&b.scheduler, &f.context);
+          if (f.done) --left;
+        }
+      } while (step != threads && b.events != seen);
     }
     if (left > 0 && b.events == before) {
       if (!b.error.empty()) throw std::runtime_error(b.error);  // a thread failed; the rest wait for it

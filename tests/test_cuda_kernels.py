@@ -103,6 +103,22 @@ def test_every_tile_shape_over_several_stages(head_dim, dev):
     check(batch_for([1, 1, 40], [200, 129, 240], torch.bfloat16, dev, d=head_dim), torch.bfloat16, num_splits=1)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the emulator's copy timing; a GPU has its own")
+@pytest.mark.parametrize(("impl", "head_dim"), [("mma", 64), ("mma", 256), ("wgmma", 64), ("wgmma", 128)])
+def test_stages_are_refilled_only_after_every_warp_read_them(impl, head_dim, dev):
+    """With copies landing at issue (as early as the GPU may land them) and one warp at a time
+    running ahead, a refill issued before the barrier that ends the reads of its buffer gives the
+    warps that read later the next stage's keys: a write-after-read race the default (latest
+    landing, warps in lockstep) cannot show. Deleting the mma tile's trailing barrier fails every
+    case here. The wgmma tile's cannot be checked this way: the emulator runs each wgmma as one
+    collective of the whole warpgroup, so its reads end together."""
+    from minengine.ops import cuda_emulator
+
+    batch = batch_for([1, 1, 40], [200, 129, 240], torch.bfloat16, dev, d=head_dim)
+    with cuda_emulator.cp_async_land_at_issue():
+        check(batch, torch.bfloat16, num_splits=1, impl=impl)
+
+
 @pytest.mark.parametrize(("hq", "hkv", "q_lens"), [(32, 1, [1, 3, 1]), (128, 1, [1, 2]), (10, 2, [4, 1, 20])])
 def test_wide_and_odd_groups(hq, hkv, q_lens, dev):
     """A token's query heads spanning tiles (group 32, 128) and a group that does not divide 16."""

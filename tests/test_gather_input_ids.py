@@ -75,7 +75,14 @@ def test_cuda_gather_reads_prefill_ids_from_pinned_host_memory():
     out = cuda.gather_input_ids(prefill, buffer, indices)
     assert prefill.device.type == "cpu" and out.device.type == "cuda"
     assert torch.equal(out.cpu(), torch.cat([prefill, buffer[indices].cpu()]))
-    prefill.fill_(7)  # the kernel reads the host memory as it is now: no staged copy
-    assert torch.equal(cuda.gather_input_ids(prefill, buffer, indices)[:300].cpu(), torch.full((300,), 7))
+    # The kernel reads the host memory when it runs, not when it is queued: with the stream held by
+    # a long sleep, a host write made after the call still reaches the output (a copy staged at
+    # call time would give the old ids).
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock cycles ahead of the gather
+    late = cuda.gather_input_ids(prefill, buffer, indices)
+    prefill.fill_(7)
+    torch.cuda.synchronize()
+    assert torch.equal(late[:300].cpu(), torch.full((300,), 7))
     with pytest.raises(ValueError, match="pinned memory"):
         cuda.gather_input_ids(torch.zeros(3, dtype=torch.int64), buffer, indices)

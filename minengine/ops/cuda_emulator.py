@@ -15,6 +15,7 @@ kernels' page divider (``FastDiv``) for its exhaustive-range test.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -126,7 +127,22 @@ def _library() -> ctypes.CDLL:
         getattr(dll, fn).restype = ctypes.c_int
     dll.me_fast_div.argtypes = [_I64, ctypes.c_void_p, ctypes.c_void_p, _I64, ctypes.c_char_p, ctypes.c_int]
     dll.me_fast_div.restype = ctypes.c_int
+    dll.me_set_cp_async_landing.argtypes = [ctypes.c_int]
+    dll.me_set_cp_async_landing.restype = None
     return dll
+
+
+@contextlib.contextmanager
+def cp_async_land_at_issue():
+    """Inside: ``cp.async`` copies land when issued, not at the wait that covers them. A refill
+    issued before every warp has read the buffer (a missing barrier) then corrupts the warps that
+    run after it; the default (latest) landing catches the opposite race, a read before the barrier
+    that follows the wait."""
+    _library().me_set_cp_async_landing(1)
+    try:
+        yield
+    finally:
+        _library().me_set_cp_async_landing(0)
 
 
 def _call(fn: str, struct: type[ctypes.Structure], kwargs: dict) -> int:
