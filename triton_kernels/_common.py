@@ -22,8 +22,8 @@ def interpreting() -> bool:
 
 
 def _major_minor(version: str) -> tuple[int, int]:
-    major, minor = (int(x) for x in re.findall(r"\d+", version)[:2])
-    return major, minor
+    numbers = [int(x) for x in re.findall(r"\d+", version)[:2]] + [0, 0]
+    return numbers[0], numbers[1]
 
 
 @functools.cache

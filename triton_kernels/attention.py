@@ -230,7 +230,7 @@ def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype
         return AttentionConfig(group_rows, tile_n=32, num_warps=8, num_stages=2)
     wide = head_dim > 128
     if max_seqlen_q * group <= group_rows:  # decode-only (or tiny chunks): one token per row group
-        # 2 stages: with 3, Triton 3.6 caps the split-KV variant at 128 registers and spills on sm_90
+        # 2 stages: with 3, Triton 3.6 spills the split-KV variant on sm_90 (8 B at 128 registers)
         return AttentionConfig(group_rows, tile_n=32 if wide else 64, num_warps=4, num_stages=2)
     block_m = max(group_rows, 64 if wide else 128)
     return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8 if block_m >= 128 else 4, num_stages=2)
