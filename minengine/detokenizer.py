@@ -2,6 +2,9 @@
 
 Text grows as tokens arrive, decoded over a short window (not the whole output each time) and
 only at complete characters (a trailing U+FFFD means a multi-byte character is still arriving).
+Special tokens (which decoding skips) never enter the window, and a long run of invalid bytes,
+whose U+FFFD never completes, is committed a few tokens behind the newest once its text is
+stable, so the window stays short and the work per token bounded whatever the model emits.
 With stop strings, the last ``max(len(stop)) - 1`` characters are held back, so no piece of a
 stop string is ever handed out; when one appears, the text is cut before it.
 """
@@ -11,6 +14,13 @@ from __future__ import annotations
 from minengine.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
+# tokens not yet in the text before a stable part of them is committed anyway, all but the newest
+# _KEEP (a UTF-8 character has at most 4 bytes). Large enough that only a run of invalid bytes
+# ever gets here, so the text is a full decode's except with a byte-fallback tokenizer (it turns
+# every byte of a run of byte tokens into U+FFFD once any is invalid): after such a run of over
+# _PENDING tokens, its valid bytes may show as themselves
+_PENDING = 64
+_KEEP = 4
 
 
 class IncrementalDetokenizer:
@@ -29,7 +39,8 @@ class IncrementalDetokenizer:
         """Take new output tokens; returns the text that is now safe to hand out."""
         if self.stopped:
             return ""
-        self.ids += token_ids
+        special = self.tokenizer.special_ids
+        self.ids += [t for t in token_ids if t not in special]
         self._decode(final=False)
         return self._emit(final=False)
 
@@ -44,12 +55,22 @@ class IncrementalDetokenizer:
         prefix = decode(self.ids[self._prefix_offset : self._read_offset])
         window = decode(self.ids[self._prefix_offset :])
         if len(window) > len(prefix) and (final or not window.endswith(_INCOMPLETE)):
-            self.text += window[len(prefix) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+            self._commit(window[len(prefix) :], len(self.ids))
+        elif len(self.ids) - self._read_offset > _PENDING:
+            # the window still ends in U+FFFD: invalid bytes, which no later byte completes. The
+            # text of all but the newest tokens is final once the window's text goes past it.
+            upto = len(self.ids) - _KEEP
+            head = decode(self.ids[self._prefix_offset : upto])
+            if len(prefix) < len(head) < len(window) and window.startswith(head):
+                self._commit(head[len(prefix) :], upto)
         if self.stop:
             cut = min((i for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0), default=-1)
             if cut >= 0:
                 self.text, self.stopped = self.text[:cut], True
+
+    def _commit(self, text: str, upto: int) -> None:
+        self.text += text
+        self._prefix_offset, self._read_offset = self._read_offset, upto
 
     def _emit(self, final: bool) -> str:
         limit = len(self.text) if final or self.stopped else len(self.text) - self.hold

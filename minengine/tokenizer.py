@@ -32,6 +32,8 @@ class Tokenizer:
         self.bos_token, self.eos_token = special.get("bos_token"), special.get("eos_token")
         self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token else None
+        # decoding skips these, so a stream of them adds no text
+        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._template = None
 
     @classmethod
