@@ -15,7 +15,11 @@
 //   A wgmma needs a wgmma.fence since the last wait, and shared memory written by cp.async needs
 //   fence.proxy.async before a wgmma reads it;
 // - dynamic shared memory, one buffer per block, filled with a NaN pattern before each block;
-// - the alignment rule of cp.async (source and destination aligned to the copy size).
+// - the alignment rule of cp.async (source and destination aligned to the copy size), and its
+//   bounds: the destination inside the block's shared memory, the source inside the memory the
+//   caller declared readable for the launch (set_readable; the K/V caches), and never a NaN: the
+//   contract tests fill every cache slot a kernel must not read (past seq_len) with NaN, so a
+//   copy of one fails even where the kernel would have masked its value away.
 // A barrier that not every thread reaches (divergence, or a thread that returned early while
 // others wait) is reported as an error instead of hanging. Blocks run one after another, so
 // races between blocks are not found; the kernels must not have any (they write disjoint outputs).
@@ -34,6 +38,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace minengine::emu {
@@ -230,11 +235,53 @@ inline bool& land_at_issue() {
   return eager;
 }
 
-inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+// Global memory a cp.async may read during the next launch: [begin, end) byte ranges (empty:
+// unchecked). The launcher's caller sets it (cuda_emulator.py: the K/V caches) and clears it.
+inline std::vector<std::pair<uintptr_t, uintptr_t>>& readable() {
+  static std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  return ranges;
+}
+
+// A half-precision NaN (fp16 0x7c01..0x7fff; bf16 NaN 0x7f81.. falls in it too, as do only bf16
+// values beyond 2^120 otherwise), either sign.
+inline bool has_nan16(const void* src, int bytes) {
+  const auto* h = static_cast<const uint16_t*>(src);
+  for (int i = 0; i < bytes / 2; ++i) {
+    if ((h[i] & 0x7c00) == 0x7c00 && (h[i] & 0x03ff) != 0) return true;
+  }
+  return false;
+}
+
+inline void check_cp_async(const void* dst, const void* src, int bytes, int src_bytes) {
+  const Block& b = state();
+  const auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
   // The GPU faults on a cp.async whose addresses are not aligned to its size.
-  if (reinterpret_cast<uintptr_t>(dst) % bytes != 0 || reinterpret_cast<uintptr_t>(src) % bytes != 0) {
+  if (d % bytes != 0 || s % bytes != 0) {
     throw std::runtime_error("cp.async of " + std::to_string(bytes) + " bytes from a misaligned address");
   }
+  if (src_bytes < 0 || src_bytes > bytes) {
+    throw std::runtime_error("cp.async source size " + std::to_string(src_bytes) + " outside 0.." +
+                             std::to_string(bytes));
+  }
+  const auto base = reinterpret_cast<uintptr_t>(b.smem.data());
+  if (d < base || d + bytes > base + b.smem.size()) {
+    throw std::runtime_error("cp.async to outside shared memory (offset " + std::to_string(d - base) + " of " +
+                             std::to_string(b.smem.size()) + " bytes)");
+  }
+  if (src_bytes == 0) return;  // reads nothing
+  const auto& ranges = readable();
+  if (!ranges.empty() && std::none_of(ranges.begin(), ranges.end(), [&](const auto& r) {
+        return s >= r.first && s + src_bytes <= r.second;
+      })) {
+    throw std::runtime_error("cp.async reads outside the memory declared readable (the K/V caches)");
+  }
+  if (has_nan16(src, src_bytes)) {
+    throw std::runtime_error("cp.async reads a NaN: a K/V slot the kernel must not read (past seq_len)");
+  }
+}
+
+inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  check_cp_async(dst, src, bytes, src_bytes);
   if (land_at_issue()) {  // its group stays empty, so the proxy-fence check is the late mode's job
     std::memcpy(dst, src, static_cast<size_t>(src_bytes));
     std::memset(static_cast<char*>(dst) + src_bytes, 0, static_cast<size_t>(bytes - src_bytes));

@@ -46,6 +46,13 @@ int me_gather_input_ids(const minengine::GatherArgs* args, char* error, int erro
 // 1: cp.async copies land when issued; 0: at the wait that covers them (see emulate.h).
 void me_set_cp_async_landing(int at_issue) { minengine::emu::land_at_issue() = at_issue != 0; }
 
+// The global memory cp.async may read from now on: n [begin, end) byte ranges (n = 0: unchecked).
+void me_set_readable(const uint64_t* ranges, int n) {
+  auto& r = minengine::emu::readable();
+  r.clear();
+  for (int i = 0; i < n; ++i) r.emplace_back(ranges[2 * i], ranges[2 * i + 1]);
+}
+
 // q[i] = n[i] / divisor through the kernels' FastDiv (its test: every divisor, any n < 2^31).
 int me_fast_div(int64_t divisor, const int32_t* n, int32_t* q, int64_t count, char* error, int error_len) {
   return guarded(

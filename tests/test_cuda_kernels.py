@@ -151,6 +151,27 @@ def test_wgmma_refuses_what_it_cannot_run(dev):
         cuda.paged_attention(*batch_for([20], [20], torch.float32, dev).args(), impl="wgmma")
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the emulator's own checks")
+def test_emulator_fails_a_copy_past_seq_len_or_outside_the_caches(dev):
+    """How the tests see a read past seq_len that the kernel would mask away: every such slot
+    holds a NaN, and the emulator's cp.async fails a copy of one (or of anything outside the
+    caches). K loads that run on to the end of the last page pass every other test in this file, and
+    fails 29 of them with this check."""
+    from minengine.ops import cuda_emulator
+
+    batch = batch_for([1, 3], [20, 9], torch.bfloat16, dev)
+    check(batch, torch.bfloat16, impl="mma")
+    page = int(batch.block_tables[1, 0])
+    batch.k_cache[page, 2, 1, 5] = float("nan")  # a live key: what the check sees is the kernel's reads
+    with pytest.raises(ValueError, match="cp.async reads a NaN"):
+        cuda.paged_attention(*batch.args(), impl="mma")
+    batch.k_cache[page, 2, 1, 5] = 0.0
+    _, args = cuda._attention_call(*batch.args(), None, torch.empty_like(batch.q), "mma")
+    with pytest.raises(ValueError, match="outside the memory declared readable"):
+        cuda_emulator.paged_attention(readable=(batch.v_cache,), **args)
+    cuda_emulator.paged_attention(readable=(batch.k_cache, batch.v_cache), **args)
+
+
 @pytest.mark.parametrize("impl", ["mma", "wgmma"])
 def test_random_batches(impl, dev):
     if impl == "wgmma":
@@ -171,7 +192,7 @@ def test_random_batches(impl, dev):
         )
         try:
             check(batch, dtype, num_splits=splits, impl=impl)
-        except AssertionError as exc:
+        except (AssertionError, ValueError) as exc:  # ValueError: the emulator's checks
             raise AssertionError(f"seed {seed}, case {case}: {exc}") from exc
 
 

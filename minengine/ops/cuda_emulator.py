@@ -127,6 +127,8 @@ def _library() -> ctypes.CDLL:
         getattr(dll, fn).restype = ctypes.c_int
     dll.me_fast_div.argtypes = [_I64, ctypes.c_void_p, ctypes.c_void_p, _I64, ctypes.c_char_p, ctypes.c_int]
     dll.me_fast_div.restype = ctypes.c_int
+    dll.me_set_readable.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    dll.me_set_readable.restype = None
     dll.me_set_cp_async_landing.argtypes = [ctypes.c_int]
     dll.me_set_cp_async_landing.restype = None
     return dll
@@ -158,8 +160,22 @@ def _call(fn: str, struct: type[ctypes.Structure], kwargs: dict) -> int:
     return rc
 
 
-def paged_attention(**kwargs) -> None:
-    _call("me_paged_attention", PagedAttentionArgs, kwargs)
+def paged_attention(readable: tuple = (), **kwargs) -> None:
+    """``readable``: the tensors (the K/V caches) whose memory the kernel's cp.async may read; a
+    copy from anywhere else fails, as does one that reads a NaN (a slot past seq_len, in tests)."""
+    ranges = np.array([(t.data_ptr(), t.data_ptr() + _extent(t)) for t in readable], dtype=np.uint64)
+    _library().me_set_readable(ranges.ctypes.data, len(ranges))
+    try:
+        _call("me_paged_attention", PagedAttentionArgs, kwargs)
+    finally:
+        _library().me_set_readable(None, 0)
+
+
+def _extent(t) -> int:
+    """Bytes from t's first element to the end of its last (any strides >= 0)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
 
 
 def attention_impl(**kwargs) -> int:
