@@ -3,7 +3,7 @@
 // Compiling a .cu file as C++ with -DMINENGINE_EMULATE turns each launch into a loop over the grid:
 // a block runs as blockDim fibers (ucontext) on one OS thread, switching only at barriers, so
 // every thread of a block is a real call stack with its own registers, as on the GPU. Emulated:
-// - __syncthreads() (block barrier) and the warp collectives (__shfl_xor_sync, mma.sync
+// - __syncthreads() (block barrier) and the warp collectives (__shfl_xor_sync of whole warps, mma.sync
 //   m16n8k16 with fp32 accumulation, ldmatrix x4) with the fragment layouts of the PTX ISA;
 // - cp.async: a copy is deferred until the thread waits for its group, so reading shared memory
 //   before cp_async_wait sees stale data, as it may on the GPU;
@@ -146,8 +146,10 @@ inline auto collective(Deposit deposit, Read read) {
 inline void syncthreads() { wait(state().block_barrier); }
 
 template <typename V>
-inline V shfl_xor(V value, int offset) {
+inline V shfl_xor(unsigned mask, V value, int offset) {
   static_assert(sizeof(V) <= sizeof(uint64_t), "shuffle of a type wider than 64 bits");
+  // Every lane takes part in the emulator's collectives; the kernels only shuffle whole warps.
+  if (mask != 0xffffffffu) throw std::runtime_error("__shfl_xor_sync with a partial lane mask (not emulated)");
   return collective([&](LaneSlot& s) { std::memcpy(&s.word, &value, sizeof(V)); },
                     [&](LaneSlot* slots) {
                       V out;
@@ -545,4 +547,4 @@ inline uint3 thread_idx3() {
 #define blockDim (::minengine::emu::state().block)
 #define gridDim (::minengine::emu::state().grid)
 #define __syncthreads() ::minengine::emu::syncthreads()
-#define __shfl_xor_sync(mask, value, offset) ::minengine::emu::shfl_xor((value), (offset))
+#define __shfl_xor_sync(mask, value, offset) ::minengine::emu::shfl_xor((mask), (value), (offset))

@@ -155,8 +155,8 @@ def test_wgmma_refuses_what_it_cannot_run(dev):
 def test_emulator_fails_a_copy_past_seq_len_or_outside_the_caches(dev):
     """How the tests see a read past seq_len that the kernel would mask away: every such slot
     holds a NaN, and the emulator's cp.async fails a copy of one (or of anything outside the
-    caches). K loads that run on to the end of the last page pass every other test in this file, and
-    fails 29 of them with this check."""
+    caches). K loads that run on to the end of the last page pass every other test in this file,
+    and fail 29 of them with this check."""
     from minengine.ops import cuda_emulator
 
     batch = batch_for([1, 3], [20, 9], torch.bfloat16, dev)
@@ -166,10 +166,12 @@ def test_emulator_fails_a_copy_past_seq_len_or_outside_the_caches(dev):
     with pytest.raises(ValueError, match="cp.async reads a NaN"):
         cuda.paged_attention(*batch.args(), impl="mma")
     batch.k_cache[page, 2, 1, 5] = 0.0
-    _, args = cuda._attention_call(*batch.args(), None, torch.empty_like(batch.q), "mma")
+    out = torch.empty_like(batch.q)  # alive while the kernel writes through its pointer
+    _, args = cuda._attention_call(*batch.args(), None, out, "mma")
     with pytest.raises(ValueError, match="outside the memory declared readable"):
-        cuda_emulator.paged_attention(readable=(batch.v_cache,), **args)
+        cuda_emulator.paged_attention(readable=(torch.empty(64),), **args)
     cuda_emulator.paged_attention(readable=(batch.k_cache, batch.v_cache), **args)
+    assert not out.isnan().any()
 
 
 @pytest.mark.parametrize("impl", ["mma", "wgmma"])
