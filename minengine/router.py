@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from starlette.background import BackgroundTask
 
 from minengine.serve import LOG_LEVELS, OneLineParser
-from minengine.server.api import error_response
+from minengine.server.api import error_response, openai_errors
 
 logger = logging.getLogger("minengine.router")
 BLOCK_CHARS = 16  # prefix granularity of the routing table
@@ -345,6 +345,7 @@ def build_app(router: Router) -> FastAPI:
         await router.close()
 
     app = FastAPI(title="minengine router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    openai_errors(app)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

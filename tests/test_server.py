@@ -193,6 +193,28 @@ BAD = [
     ({"prompt": [True, 5]}, "prompt"),
     ({"prompt": "x", "n": 1.5}, "n"),
     ({"prompt": "hi \ud800 there"}, "prompt"),  # a lone surrogate: not text a tokenizer takes
+    # one call starts at most 2048 sequences, n at most 128 (a huge n used to stall the server)
+    ({"prompt": "x", "n": 10_000_000}, "n"),
+    ({"prompt": ["x"] * 17, "n": 128}, "n"),
+    # sampling fields of OpenAI / vLLM minengine does not implement: refused, never ignored
+    ({"prompt": "x", "logit_bias": {"65": 100}}, "logit_bias"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"prompt": "x", "min_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": False}, "min_tokens"),
+    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "suffix": "end"}, "suffix"),
+]
+
+# (body, the message it must give): what was wrong, and with what value
+MESSAGES = [
+    ({"prompt": "x", "n": 10_000_000}, "n is 10000000; allowed: 1..128"),
+    ({"prompt": ["x"] * 17, "n": 128}, "17 prompts x n 128 = 2176 sequences; allowed: at most 2048"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens is 1.5: input should be a valid integer"),
+    ({"prompt": [1.5]}, "prompt is [1.5]; allowed: a string, a list of strings, a list of token ids, or a list of"),
+    ({"prompt": "x", "stop": 5}, "stop is 5; allowed: a string or a list of strings"),
+    ({"prompt": "x", "logit_bias": {"65": 100}}, 'logit_bias is {"65": 100}; minengine does not support it'),
 ]
 
 
@@ -206,6 +228,48 @@ def test_bad_completion_requests(server, body, param):
     assert error["param"] == param and error["code"] == 400 and error["type"] == "BadRequestError"
     assert error["message"]
     assert httpx.get(server + "/health").status_code == 200
+
+
+@pytest.mark.parametrize(("body", "message"), MESSAGES)
+def test_errors_name_the_value(server, body, message):
+    r = httpx.post(server + "/v1/completions", json={"model": MODEL, **body})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+
+
+def test_off_values_of_unsupported_fields_and_unknown_fields_pass(client):
+    extra = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "min_tokens": 0, "user": "me"}
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=LONG | extra)
+    assert out.usage.completion_tokens == 2
+
+
+def test_non_json_numbers_routing_errors_and_content_parts(server):
+    raw = b'{"prompt": "x", "temperature": Infinity}'
+    r = httpx.post(server + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "Infinity is not a JSON number" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/nothing", json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
+    r = httpx.delete(server + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405 and r.headers["allow"] == "POST"
+
+    def chat(content, **body):
+        return httpx.post(
+            server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]} | body
+        )
+
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    joined = chat("hi\nthere", max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert chat(parts, max_tokens=1).json()["usage"]["prompt_tokens"] == joined  # joined by newlines, as vLLM
+    r = chat([{"type": "image_url", "image_url": {"url": "x"}}])
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith('messages.0.content.0.type is "image_url"')
+    r = chat([{"type": "text"}])
+    assert r.status_code == 400 and "messages.0.content.0.text" in r.json()["error"]["message"]
+    for body, name in (({"echo": True}, "echo"), ({"tools": [{"type": "function"}]}, "tools")):
+        r = chat("x", **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name
+    r = chat("x", max_completion_tokens=10_000)
+    assert r.status_code == 400 and "max_completion_tokens (10000)" in r.json()["error"]["message"]
+    r = chat("x" * 5000)  # no max given: the messages alone must leave room for a token
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("the messages take")
 
 
 def test_bad_chat_requests_are_400s(server):

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minengine.engine import check_prompt
 from minengine.sampling_params import SEED_MAX, SamplingParams
@@ -28,6 +29,8 @@ from minengine.server.protocol import Bootstrap
 from minengine.tokenizer import Tokenizer
 
 DRAIN_SECONDS = 5.0
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_SEQUENCES = 2048  # prompts x n: the requests one API call may start
 
 
 class APIError(Exception):
@@ -39,6 +42,7 @@ class APIError(Exception):
 _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -51,9 +55,11 @@ def _summary(exc: Exception) -> str:
     return " ".join(lines[:1] + lines[-1:]) if len(lines) > 2 else " ".join(lines)
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 # --- request schemas --------------------------------------------------------------------------
@@ -69,7 +75,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # extras: only checked by _check_unsupported
 
     model: str | None = None
     max_tokens: int | None = None
@@ -147,29 +153,99 @@ class ServerState:
 # --- helpers ----------------------------------------------------------------------------------
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
     try:
-        data = json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(await raw.body(), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise APIError(400, f"malformed JSON body: {exc}") from None
     except RecursionError:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        return schema.model_validate(data)
+        req = schema.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = first["loc"]
-        raise APIError(
-            400, f"{'.'.join(map(str, loc)) or 'body'}: {first['msg']}", str(loc[0]) if loc else None
-        ) from None
+        raise APIError(400, *_validation_message(exc.errors())) from None
+    _check_unsupported(req)
+    return req
+
+
+# What a field that takes several JSON types takes (pydantic reports one error per type).
+_ALLOWED_TYPES = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string, a list of content parts, or null",
+}
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors: the first bad field, its value and what it allows."""
+    first = errors[0]
+    loc = first["loc"]
+    # the path without pydantic's union-member tags ("prompt.str", "prompt.list[int].0")
+    path = [str(x) for x in loc if not (isinstance(x, str) and (x in ("str", "int") or "[" in x))]
+    name = ".".join(path) or "body"
+    param = str(loc[0]) if loc else None
+    value = json.dumps(first.get("input"), ensure_ascii=False)
+    value = value if len(value) <= 80 else value[:77] + "..."
+    if first["type"] == "missing":
+        return f"{name}: a required field is missing", param
+    field_errors = [e for e in errors if e["loc"][: len(path)] == loc[: len(path)]] if path else [first]
+    allowed = _ALLOWED_TYPES.get(path[-1] if path else "")
+    if len(field_errors) > 1 and allowed:  # no type of the union took it
+        return f"{name} is {value}; allowed: {allowed}", param
+    return f"{name} is {value}: {first['msg'][0].lower()}{first['msg'][1:]}", param
+
+
+# Sampling fields of the OpenAI / vLLM APIs minengine does not implement, with the value that
+# means "off": any other value is a 400, never silently ignored. (Fields it does not know at all,
+# such as ``user``, are ignored, as vLLM ignores them.)
+_UNSUPPORTED = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "length_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "suffix": ("",),
+    "top_logprobs": (0,),
+    "prompt_logprobs": (0,),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "echo": (False,),  # chat (the completions API declares it, and rejects it itself)
+}
+
+
+def _check_unsupported(req: BaseModel) -> None:
+    for name, value in (req.model_extra or {}).items():
+        off = _UNSUPPORTED.get(name)
+        if off is None or value is None or any(value == v and type(value) is type(v) for v in off):
+            continue
+        shown = json.dumps(value, ensure_ascii=False)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        allowed = " or ".join(json.dumps(v) for v in off) or "null"
+        raise APIError(400, f"{name} is {shown}; minengine does not support it (allowed: {allowed})", name)
 
 
 def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:
     """``req``'s sampling parameters; ``max_tokens`` came from the field ``max_tokens_field``."""
-    if req.n < 1:
-        raise APIError(400, f"n is {req.n}; allowed: an integer >= 1", "n")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n is {req.n}; allowed: 1..{MAX_N}", "n")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     if req.seed is not None and req.seed <= SEED_MAX < req.seed + req.n - 1:  # choice j samples with seed + j
@@ -195,12 +271,22 @@ def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: st
 
 
 def chat_text(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them (content parts joined to one string)."""
+    """Messages as the chat template sees them: content parts (text only) joined by newlines, as
+    vLLM joins them."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if part.get("type", "text") == "text")
+            texts = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                if part.get("type") != "text":
+                    kind = json.dumps(part.get("type"))
+                    raise APIError(400, f'{where}.type is {kind}; allowed: "text" (a text-only model)', "messages")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"{where}.text is missing or not a string", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
         out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
     return out
 
@@ -258,8 +344,20 @@ def bootstrap_of(state: ServerState, req: _Sampling, num_prompts: int) -> Bootst
 # --- the app ----------------------------------------------------------------------------------
 
 
+def openai_errors(app: FastAPI) -> None:
+    """Routing errors (an unknown path: 404, a wrong method: 405) in the OpenAI error shape too."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(raw: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code in (404, 405):
+            detail = f"{raw.method} {raw.url.path}: {exc.detail}"
+            return error_response(exc.status_code, detail, None, getattr(exc, "headers", None))
+        return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
+
+
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="minengine", docs_url=None, redoc_url=None, lifespan=lifespan)
+    openai_errors(app)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -317,18 +415,26 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
             raise APIError(400, "logprobs is not supported", "logprobs")
         if not req.messages:
             raise APIError(400, "messages is empty", "messages")
+        messages = chat_text(req.messages)
         try:
-            text = state.tokenizer.apply_chat_template(chat_text(req.messages), add_generation_prompt=True)
+            text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception as exc:  # a template may raise on messages it does not accept
             raise APIError(400, f"the chat template failed: {exc}", "messages") from None
         prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
         field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None and (ready := state.client.ready) is not None:  # as vLLM: all the room left
-            max_tokens = max(1, min(ready.context_length, ready.kv_capacity_tokens) - len(prompt_ids))
         bootstrap = bootstrap_of(state, req, 1)
+        if max_tokens is None and (ready := state.client.ready) is not None:  # as vLLM: all the room left
+            room = min(ready.context_length, ready.kv_capacity_tokens)
+            if len(prompt_ids) >= room:
+                what = "context length" if room == ready.context_length else "KV cache capacity"
+                why = f"the messages take {len(prompt_ids)} tokens; allowed: at most {room - 1} (the {what} is {room})"
+                if bootstrap is not None:  # the other server is waiting for this request: tell it now
+                    state.client.fail_room(bootstrap, why)
+                raise APIError(400, why, "messages")
+            max_tokens = room - len(prompt_ids)
         params = sampling_params(req, max_tokens, field_name)
-        choices = _choices(state, [prompt_ids], params, req.n, bootstrap)
+        choices = _choices(state, [prompt_ids], params, req.n, bootstrap, "messages", field_name)
         return await _respond(state, raw, req, choices, chat=True)
 
     return app
@@ -364,8 +470,19 @@ def _encode(tokenizer: Tokenizer, text: str, field_name: str, **kwargs: Any) -> 
 
 
 def _choices(
-    state: ServerState, prompts: list[list[int]], params: SamplingParams, n: int, bootstrap: Bootstrap | None = None
+    state: ServerState,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    bootstrap: Bootstrap | None = None,
+    prompt_field: str = "prompt",
+    max_field: str = "max_tokens",
 ) -> list[Choice]:
+    """One choice per prompt and n; ``prompt_field`` / ``max_field``: the request's names for them."""
+    if len(prompts) * n > MAX_SEQUENCES:
+        raise APIError(
+            400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} sequences; allowed: at most {MAX_SEQUENCES}", "n"
+        )
     ready = state.client.ready
     # a prefill server computes the prompt and one token; the decode server holds the rest
     checked = replace(params, max_tokens=1) if state.mode == "prefill" else params
@@ -375,7 +492,8 @@ def _choices(
         except ValueError as exc:
             if bootstrap is not None:  # the other server is waiting for this request: tell it now
                 state.client.fail_room(bootstrap, str(exc))
-            raise APIError(400, str(exc), "prompt") from None
+            message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
+            raise APIError(400, message, prompt_field) from None
     choices = []
     for ids in prompts:
         for j in range(n):
