@@ -213,6 +213,9 @@ def test_text_is_decoded_once_without_stop_strings(llm):
     assert req.text == want.text
     while engine.has_unfinished():
         engine.step()
+    never_added = engine.new_request(llm.tokenizer.encode("x"), SamplingParams(max_tokens=2))
+    engine.abort(never_added)  # made but never queued: it just ends
+    assert never_added.finished and never_added.finish_reason == "abort"
 
 
 def test_max_tokens_gives_length(llm):

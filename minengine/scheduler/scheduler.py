@@ -297,8 +297,9 @@ class Scheduler:
             self.finish(req, "abort")
         elif req in self.held:
             self.release_held(req)
-        elif req.status is Status.WAITING:
-            self.waiting.remove(req)
+        elif req.status is Status.WAITING:  # queued, or made but never added
+            if req in self.waiting:
+                self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
 
     def accounting(self) -> dict[str, int]:
