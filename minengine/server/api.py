@@ -190,8 +190,7 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     path = [str(x) for x in loc if not (isinstance(x, str) and (x in ("str", "int") or "[" in x))]
     name = ".".join(path) or "body"
     param = str(loc[0]) if loc else None
-    value = json.dumps(first.get("input"), ensure_ascii=False)
-    value = value if len(value) <= 80 else value[:77] + "..."
+    value = _shown(first.get("input"))
     if first["type"] == "missing":
         return f"{name}: a required field is missing", param
     field_errors = [e for e in errors if e["loc"][: len(path)] == loc[: len(path)]] if path else [first]
@@ -236,10 +235,14 @@ def _check_unsupported(req: BaseModel) -> None:
         off = _UNSUPPORTED.get(name)
         if off is None or value is None or any(value == v and type(value) is type(v) for v in off):
             continue
-        shown = json.dumps(value, ensure_ascii=False)
-        shown = shown if len(shown) <= 80 else shown[:77] + "..."
         allowed = " or ".join(json.dumps(v) for v in off) or "null"
-        raise APIError(400, f"{name} is {shown}; minengine does not support it (allowed: {allowed})", name)
+        raise APIError(400, f"{name} is {_shown(value)}; minengine does not support it (allowed: {allowed})", name)
+
+
+def _shown(value: Any) -> str:
+    """A request's value as JSON, cut to 80 characters, for an error message."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:
