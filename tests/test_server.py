@@ -240,6 +240,8 @@ def test_off_values_of_unsupported_fields_and_unknown_fields_pass(client):
     extra = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "min_tokens": 0, "user": "me"}
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=LONG | extra)
     assert out.usage.completion_tokens == 2
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, extra_body=LONG | {"best_of": 2})
+    assert len(out.choices) == 2
 
 
 def test_non_json_numbers_routing_errors_and_content_parts(server):

@@ -233,6 +233,8 @@ _UNSUPPORTED = {
 def _check_unsupported(req: BaseModel) -> None:
     for name, value in (req.model_extra or {}).items():
         off = _UNSUPPORTED.get(name)
+        if name == "best_of" and off is not None:
+            off = (1, getattr(req, "n", 1))  # the best n of n: no selection
         if off is None or value is None or any(value == v and type(value) is type(v) for v in off):
             continue
         allowed = " or ".join(json.dumps(v) for v in off) or "null"
