@@ -32,6 +32,7 @@ class IncrementalDetokenizer:
         self.text = ""  # complete characters decoded so far (cut at a stop string)
         self.emitted = 0  # characters of text already handed out
         self.stopped = False  # a stop string was found
+        self.stop_string: str | None = None  # which one
         self._prefix_offset = 0  # the decode window is ids[prefix_offset:]
         self._read_offset = 0  # ids before this are in text
 
@@ -64,8 +65,9 @@ class IncrementalDetokenizer:
             if len(prefix) < len(head) < len(window) and window.startswith(head):
                 self._commit(head[len(prefix) :], upto)
         if self.stop:
-            cut = min((i for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0), default=-1)
-            if cut >= 0:
+            found = [(i, s) for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0]
+            if found:
+                cut, self.stop_string = min(found, key=lambda f: f[0])  # the first to appear
                 self.text, self.stopped = self.text[:cut], True
 
     def _commit(self, text: str, upto: int) -> None:

@@ -48,7 +48,13 @@ def test_stop_string_cuts_and_never_leaks(stop):
         out += d.add([t])
         assert final.startswith(out)  # nothing handed out is ever taken back
     out += d.finish()
-    assert d.stopped and out == final
+    assert d.stopped and out == final and d.stop_string == stop
+
+
+def test_the_first_stop_string_to_appear_is_the_one_reported():
+    d = IncrementalDetokenizer(TOK, ("wörld", "lo"))
+    d.add(TOK.encode("héllo wörld", add_special_tokens=False))
+    assert d.stopped and d.text == "hél" and d.stop_string == "lo"
 
 
 def test_hold_back_is_released_at_finish():

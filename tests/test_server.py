@@ -149,10 +149,18 @@ def test_stop_strings(client):
     stop = text[3:5]
     out = client.completions.create(model=MODEL, prompt="stop", max_tokens=12, temperature=0, stop=[stop])
     assert out.choices[0].finish_reason == "stop" and out.choices[0].text == text[: text.find(stop)]
-    streamed = client.completions.create(
-        model=MODEL, prompt="stop", max_tokens=12, temperature=0, stop=[stop], stream=True
+    assert out.choices[0].stop_reason == stop  # which one, as vLLM reports it
+    assert base.choices[0].finish_reason == "length" and base.choices[0].stop_reason is None
+    streamed = list(
+        client.completions.create(model=MODEL, prompt="stop", max_tokens=12, temperature=0, stop=[stop], stream=True)
     )
     assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    assert [c.choices[0].stop_reason for c in streamed][-1] == stop
+    assert all(c.choices[0].stop_reason is None for c in streamed[:-1])
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "s"}], max_tokens=12, temperature=0)
+    said = client.chat.completions.create(**kwargs, extra_body=LONG).choices[0].message.content
+    chat = client.chat.completions.create(**kwargs, stop=[said[3:5]])
+    assert chat.choices[0].finish_reason == "stop" and chat.choices[0].stop_reason == said[3:5]
 
 
 def test_seeds(client):
@@ -326,6 +334,7 @@ def test_a_stop_token_is_not_in_the_text(client):
     kwargs["extra_body"] = {"stop_token_ids": [stop_id]}
     out = client.completions.create(**kwargs)
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == first + 1
+    assert out.choices[0].stop_reason == stop_id
     assert out.choices[0].text == llm.tokenizer.decode(ref.token_ids[:first])
     streamed = client.completions.create(**kwargs, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text

@@ -566,6 +566,7 @@ def _joined(pieces: list[Piece]) -> Piece:
         [t for p in pieces for t in p.token_ids],
         pieces[-1].finish_reason,
         sum(p.cached_tokens for p in pieces),
+        pieces[-1].stop_reason,
     )
 
 
@@ -585,6 +586,7 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
     state.enter()
     texts = [""] * len(choices)
     reasons: list[str | None] = [None] * len(choices)
+    stop_reasons: list[str | int | None] = [None] * len(choices)
     completion_tokens = cached = 0
 
     async def collect() -> None:
@@ -594,7 +596,7 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
             completion_tokens += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
             if piece.finish_reason is not None:
-                reasons[index] = piece.finish_reason
+                reasons[index], stop_reasons[index] = piece.finish_reason, piece.stop_reason
 
     task = asyncio.create_task(collect())
     try:
@@ -607,16 +609,10 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
         task.result()
     finally:
         state.leave()
-    if chat:
-        body_choices = [
-            {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-        ]
-    else:
-        body_choices = [
-            {"index": i, "text": t, "logprobs": None, "finish_reason": r}
-            for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-        ]
+    body_choices = []
+    for i, (t, r, sr) in enumerate(zip(texts, reasons, stop_reasons, strict=True)):
+        output = {"message": {"role": "assistant", "content": t}} if chat else {"text": t}
+        body_choices.append({"index": i, **output, "logprobs": None, "finish_reason": r, "stop_reason": sr})
     return JSONResponse(
         {
             "id": rid,
@@ -658,12 +654,9 @@ async def _stream(
             cached += piece.cached_tokens if index in first_choices else 0
             if not piece.text and piece.finish_reason is None:
                 continue
-            if chat:
-                delta = {"content": piece.text} if piece.text else {}
-                item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": piece.finish_reason}
-            else:
-                item = {"index": index, "text": piece.text, "logprobs": None, "finish_reason": piece.finish_reason}
-            yield chunk([item])
+            output = {"delta": {"content": piece.text} if piece.text else {}} if chat else {"text": piece.text}
+            reasons = {"finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
+            yield chunk([{"index": index, **output, "logprobs": None, **reasons}])
         if include_usage:
             yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
         yield "data: [DONE]\n\n"

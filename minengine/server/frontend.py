@@ -201,6 +201,9 @@ class Piece:
     token_ids: list[int]  # new tokens in this piece
     finish_reason: str | None = None
     cached_tokens: int = 0
+    # with finish_reason "stop", as vLLM reports it: the stop string or stop token id that ended
+    # the output (None for an end-of-sequence token)
+    stop_reason: str | int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -270,12 +273,19 @@ async def generate(
                 continue
             finished = True
             text += detok.finish()
+            if detok.stopped and reason != "abort":  # a stop string that ended in an unfinished character
+                reason = "stop"
+            stop_reason = None
+            if detok.stopped and reason == "stop":
+                stop_reason = detok.stop_string
+            elif reason == "stop" and ids and ids[-1] in (params.stop_token_ids or ()):
+                stop_reason = ids[-1]
             if reason == "abort":
                 metrics.aborted.inc()
             else:
                 metrics.request_success.labels(finished_reason=reason).inc()
                 metrics.e2e.observe(now - arrival)
-            yield Piece(text, ids, reason, cached)
+            yield Piece(text, ids, reason, cached, stop_reason)
             return
     finally:
         if not finished:
