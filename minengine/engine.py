@@ -260,6 +260,8 @@ class Engine:
             if not incremental:
                 req.detok.add(req.output_ids[:-1] if stop_token else req.output_ids)
             req.detok.finish()
+            if req.detok.stopped:  # a stop string that ended in an unfinished character
+                reason = "stop"
         return reason
 
     def shutdown(self) -> None:

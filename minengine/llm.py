@@ -27,6 +27,9 @@ class RequestOutput:
     token_ids: list[int]  # generated
     text: str
     finish_reason: str
+    # with finish_reason "stop", as in vLLM: the stop string or stop token id that ended the output
+    # (None for an end-of-sequence token)
+    stop_reason: str | int | None = None
 
 
 class LLM:
@@ -90,14 +93,14 @@ class LLM:
             r = self._workers.ready
             check_prompt(prompt_ids, params, r.vocab_size, r.context_length, r.kv_capacity_tokens)
 
-    def _generate_here(self, ids, params, bar) -> list[tuple[list[int], str, str]]:
+    def _generate_here(self, ids, params, bar) -> list[tuple]:
         reqs = [self.engine.new_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]
         for req in reqs:  # queued only once every one is made: a bad request leaves none behind
             self.engine.scheduler.add(req)
         while self.engine.has_unfinished():
             bar.update(sum(r.finished for r in self.engine.step()))
             self.engine.drain_delayer_outcomes()  # the server's metrics read them; offline they go
-        return [(r.output_ids, r.text, r.finish_reason) for r in reqs]
+        return [(r.output_ids, r.text, r.finish_reason, _stop_reason(r)) for r in reqs]
 
     def shutdown(self) -> None:
         """Free the model(s) and the KV cache (GPU memory included). Safe to call twice."""
@@ -110,6 +113,15 @@ class LLM:
         if self._workers is not None:
             self._workers.shutdown()
             self._workers = None
+
+
+def _stop_reason(req) -> str | int | None:
+    if req.finish_reason != "stop":
+        return None
+    if req.detok is not None and req.detok.stopped:
+        return req.detok.stop_string
+    last = req.output_ids[-1] if req.output_ids else None
+    return last if last in (req.params.stop_token_ids or ()) else None
 
 
 class _Workers:
@@ -129,18 +141,18 @@ class _Workers:
             self.shutdown()
             raise
 
-    def generate(self, ids, params, bar) -> list[tuple[list[int], str, str]]:
+    def generate(self, ids, params, bar) -> list[tuple]:
         from minengine.server.frontend import generate
 
-        async def one(prompt_ids: list[int], p: SamplingParams) -> tuple[list[int], str, str]:
-            tokens, text, reason = [], "", "abort"
+        async def one(prompt_ids: list[int], p: SamplingParams) -> tuple:
+            tokens, text, reason, stop_reason = [], "", "abort", None
             pieces = generate(self.workers.client, self.tokenizer, self.metrics, uuid.uuid4().hex, prompt_ids, p)
             async for piece in pieces:
                 tokens += piece.token_ids
                 text += piece.text
-                reason = piece.finish_reason or reason
+                reason, stop_reason = piece.finish_reason or reason, piece.stop_reason
             bar.update(1)
-            return tokens, text, reason
+            return tokens, text, reason, stop_reason
 
         async def run_all():
             return await asyncio.gather(*(one(i, p) for i, p in zip(ids, params, strict=True)))

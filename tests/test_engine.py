@@ -179,12 +179,13 @@ def test_stop_token_ids_and_stop_strings(llm):
     out = gen(llm, "stop test", max_tokens=12, stop_token_ids=[stop_id])
     first = base.token_ids.index(stop_id)
     assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop_id and base.stop_reason is None  # as vLLM reports them
     text = base.text
     assert len(text) >= 4
     stop = text[2:4]
     out = gen(llm, "stop test", max_tokens=12, stop=[stop, "\x00never"])
     assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
-    assert stop not in out.text
+    assert stop not in out.text and out.stop_reason == stop
 
 
 def test_text_is_decoded_once_without_stop_strings(llm):
