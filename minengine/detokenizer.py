@@ -80,3 +80,15 @@ class IncrementalDetokenizer:
             return ""
         piece, self.emitted = self.text[self.emitted : limit], limit
         return piece
+
+
+def stop_reason(
+    finish_reason: str | None, detok: IncrementalDetokenizer | None, last_token: int | None, stop_token_ids
+) -> str | int | None:
+    """What vLLM reports as ``stop_reason``: for finish_reason "stop", the stop string or stop
+    token id that ended the output; None for an end-of-sequence token and any other ending."""
+    if finish_reason != "stop":
+        return None
+    if detok is not None and detok.stopped:
+        return detok.stop_string
+    return last_token if last_token in (stop_token_ids or ()) else None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from minengine.config import EngineConfig
+from minengine.detokenizer import stop_reason
 from minengine.engine import Engine, check_prompt
 from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
@@ -100,7 +101,12 @@ class LLM:
         while self.engine.has_unfinished():
             bar.update(sum(r.finished for r in self.engine.step()))
             self.engine.drain_delayer_outcomes()  # the server's metrics read them; offline they go
-        return [(r.output_ids, r.text, r.finish_reason, _stop_reason(r)) for r in reqs]
+        results = []
+        for r in reqs:
+            last = r.output_ids[-1] if r.output_ids else None
+            why = stop_reason(r.finish_reason, r.detok, last, r.params.stop_token_ids)
+            results.append((r.output_ids, r.text, r.finish_reason, why))
+        return results
 
     def shutdown(self) -> None:
         """Free the model(s) and the KV cache (GPU memory included). Safe to call twice."""
@@ -113,15 +119,6 @@ class LLM:
         if self._workers is not None:
             self._workers.shutdown()
             self._workers = None
-
-
-def _stop_reason(req) -> str | int | None:
-    if req.finish_reason != "stop":
-        return None
-    if req.detok is not None and req.detok.stopped:
-        return req.detok.stop_string
-    last = req.output_ids[-1] if req.output_ids else None
-    return last if last in (req.params.stop_token_ids or ()) else None
 
 
 class _Workers:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import zmq
 import zmq.asyncio
 
-from minengine.detokenizer import IncrementalDetokenizer
+from minengine.detokenizer import IncrementalDetokenizer, stop_reason
 from minengine.sampling_params import SamplingParams
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import (
@@ -227,7 +227,7 @@ async def generate(
     detok = IncrementalDetokenizer(tokenizer, params.stop_strings)
     queue = client.submit(rid, prompt_ids, replace(params, stop=None), bootstrap)
     metrics.prompt_tokens.inc(len(prompt_ids))
-    finished, last, held = False, None, None
+    finished, last, held, last_id = False, None, None, None
     try:
         while True:
             if held is not None:
@@ -267,6 +267,7 @@ async def generate(
                 if reason is None:  # we are done, the scheduler is not
                     client.abort(rid)
                 reason = "stop"
+            last_id = ids[-1] if ids else last_id
             if reason is None:
                 if text or ids:
                     yield Piece(text, ids, cached_tokens=cached)
@@ -275,17 +276,13 @@ async def generate(
             text += detok.finish()
             if detok.stopped and reason != "abort":  # a stop string that ended in an unfinished character
                 reason = "stop"
-            stop_reason = None
-            if detok.stopped and reason == "stop":
-                stop_reason = detok.stop_string
-            elif reason == "stop" and ids and ids[-1] in (params.stop_token_ids or ()):
-                stop_reason = ids[-1]
+            why = stop_reason(reason, detok, last_id, params.stop_token_ids)
             if reason == "abort":
                 metrics.aborted.inc()
             else:
                 metrics.request_success.labels(finished_reason=reason).inc()
                 metrics.e2e.observe(now - arrival)
-            yield Piece(text, ids, reason, cached, stop_reason)
+            yield Piece(text, ids, reason, cached, why)
             return
     finally:
         if not finished:
