@@ -46,12 +46,9 @@ PREFILL_MAX_SEQS = 32768
 def available() -> bool:
     try:
         import flashinfer  # noqa: F401
-    except ModuleNotFoundError as e:
-        if e.name != "flashinfer":  # installed, but something it imports is missing: say what
-            logger.warning("flashinfer is installed but does not import: %s", e)
-        return False
     except Exception as e:
-        logger.warning("flashinfer is installed but does not import: %r", e)
+        if not (isinstance(e, ModuleNotFoundError) and e.name == "flashinfer"):  # installed but broken: say why
+            logger.warning("flashinfer is installed but does not import: %r", e)
         return False
     return torch.cuda.is_available()
 

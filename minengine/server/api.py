@@ -210,7 +210,6 @@ _UNSUPPORTED = {
     "length_penalty": (1, 1.0),
     "logit_bias": ({},),
     "min_tokens": (0,),
-    "best_of": (1,),
     "use_beam_search": (False,),
     "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
@@ -230,11 +229,9 @@ _UNSUPPORTED = {
 }
 
 
-def _check_unsupported(req: BaseModel) -> None:
+def _check_unsupported(req: _Sampling) -> None:
     for name, value in (req.model_extra or {}).items():
-        off = _UNSUPPORTED.get(name)
-        if name == "best_of" and off is not None:
-            off = (1, getattr(req, "n", 1))  # the best n of n: no selection
+        off = (1, req.n) if name == "best_of" else _UNSUPPORTED.get(name)  # the best n of n: no selection
         if off is None or value is None or any(value == v and type(value) is type(v) for v in off):
             continue
         allowed = " or ".join(json.dumps(v) for v in off) or "null"
