@@ -20,6 +20,7 @@ LOAD_FORMATS = ("auto", "dummy")
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("nixl", "fake")
+KV_ADMISSIONS = ("preempt", "reserve")
 # fields whose values come from a fixed list (the CLI offers them as choices)
 CHOICES = {
     "device": DEVICES,
@@ -29,6 +30,7 @@ CHOICES = {
     "load_balance_method": LOAD_BALANCE_METHODS,
     "disaggregation_mode": DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+    "kv_admission": KV_ADMISSIONS,
 }
 
 
@@ -44,6 +46,9 @@ class EngineConfig:
     max_running_requests: int = 256
     chunked_prefill_size: int = 8192
     long_prefill_token_threshold: int | None = None
+    # "preempt": admit on the KV a request needs now, preempt the newest by recompute when KV runs
+    # out (vLLM V1); "reserve": admit only if its whole prompt + max_tokens fits (never preempts)
+    kv_admission: str = "preempt"
     max_total_tokens: int | None = None  # KV capacity in tokens; None: from memory (CUDA) or 65536 (CPU)
     mem_fraction_static: float = 0.85
     context_length: int | None = None  # None: the model's max_position_embeddings
@@ -72,6 +77,7 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
+        _choice("kv_admission", self.kv_admission, KV_ADMISSIONS)
         _int_at_least("prefill_delayer_max_delay_passes", self.prefill_delayer_max_delay_passes, 1)
         _int_at_least("dp_size", self.dp_size, 1)
         _int_at_least("cuda_graph_max_bs", self.cuda_graph_max_bs, 1)

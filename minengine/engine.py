@@ -110,6 +110,8 @@ class Engine:
             and (config.disaggregation_mode != "decode" or config.disaggregation_decode_enable_radix_cache),
             delayer=self.delayer,
             hold_kv_on_finish=config.disaggregation_mode == "prefill",
+            # a prefill server reserves prompt + 1 token, all it needs; its KV must not move mid-send
+            preempt=config.kv_admission == "preempt" and config.disaggregation_mode != "prefill",
         )
         self.sampler = Sampler(self.device, config.seed)
         self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
@@ -231,7 +233,8 @@ class Engine:
         return outcomes
 
     def stats(self) -> dict[str, int]:
-        """Gauges: requests running / waiting, and KV pages total / in use by requests / cached."""
+        """Gauges: requests running / waiting, and KV pages total / in use by requests / cached; the
+        number of preemptions since start."""
         acc = self.scheduler.accounting()
         cache = self.scheduler.cache
         return {
@@ -240,6 +243,7 @@ class Engine:
             "kv_pages_total": acc["total"],
             "kv_pages_in_use": acc["held_by_requests"],
             "kv_pages_cached": cache.total_pages if cache is not None else 0,
+            "num_preemptions": self.scheduler.num_preemptions,  # since start (a counter)
         }
 
     def stop_reason(self, req: Request) -> str | None:

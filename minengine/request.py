@@ -33,14 +33,17 @@ class Request:
     node: Node | None = None
     slot: int | None = None
     finish_reason: str | None = None
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache at its first admission
     generator: torch.Generator | None = None
     detok: IncrementalDetokenizer | None = None  # None when the caller makes the text (server)
-    prefix_match: tuple | None = None  # waiting: (radix version, pages, node) of its last prefix match
+    prefix_match: tuple | None = None  # waiting: ((radix version, tokens), pages, node) of its last match
+    prefill_len: int = 0  # tokens its prefill computes: the prompt, or every known token once preempted
+    num_preemptions: int = 0  # times its KV was dropped to make room (it resumes by recomputing)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        self.prefill_len = self.prefill_len or len(self.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:
@@ -70,4 +73,4 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
+        return self.num_computed < self.prefill_len

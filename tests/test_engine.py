@@ -103,6 +103,7 @@ def test_sampling_params_validation(kwargs, message):
         (dict(mem_fraction_static=1.5), r"mem_fraction_static is 1.5; allowed: a number in \(0, 1\)"),
         (dict(disable_radix_cache="yes"), "disable_radix_cache is 'yes'"),
         (dict(seed=2**64), rf"seed is {2**64}; allowed: an integer in \[0, {2**64 - 1}\]"),
+        (dict(kv_admission="swap"), "kv_admission is 'swap'; allowed: preempt, reserve"),
     ],
 )
 def test_config_validation(kwargs, message):

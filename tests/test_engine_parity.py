@@ -68,6 +68,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         dict(page_size=5, chunked_prefill_size=8, disable_overlap_schedule=True),
         dict(page_size=5, max_running_requests=3, enable_prefill_delayer=True, prefill_delayer_max_delay_passes=2),
         dict(page_size=4, dp_size=2, enable_prefill_delayer=True, prefill_delayer_max_delay_passes=2),
+        # KV for one longest request (61 + 10 tokens): the others are preempted and recomputed
+        dict(page_size=4, max_total_tokens=72, chunked_prefill_size=16),
+        dict(page_size=3, max_total_tokens=72, disable_radix_cache=True, disable_overlap_schedule=True),
+        dict(page_size=5, max_total_tokens=80, kv_admission="reserve"),
     ],
     ids=[
         "page16",
@@ -78,6 +82,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         "no-overlap",
         "delayer",
         "dp2-delayer",
+        "preempt",
+        "preempt-noradix-no-overlap",
+        "reserve",
     ],
 )
 def test_greedy_matches_transformers(checkpoint, expected, config, kv_checked_steps):
@@ -89,6 +96,9 @@ def test_greedy_matches_transformers(checkpoint, expected, config, kv_checked_st
     assert all(o.finish_reason == "length" for o in outs)
     # again on the warm prefix cache (every prompt now hits it), same tokens
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    if config.get("max_total_tokens"):  # the small KV pools: preempt mode preempts, reserve never
+        preempted = llm.engine.scheduler.num_preemptions
+        assert (preempted > 0) == (config.get("kv_admission", "preempt") == "preempt"), preempted
     llm.shutdown()
     if config.get("dp_size", 1) > 1:
         return  # the engines ran in worker processes (the server tests check their KV there)

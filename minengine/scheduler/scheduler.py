@@ -1,10 +1,11 @@
 """Scheduler state: waiting and running requests, KV pages, the prefix cache.
 
 ``schedule()`` asks the pure policy (``policy.build_schedule``) for the next step, then applies
-it: admits requests (locking their cached prefix), allocates the pages their new tokens need
-(evicting from the prefix cache on demand) and returns the batch, prefill chunks first, then
-decodes. ``update()`` advances each request after the forward, caches completed chunks, and
-frees or caches the pages of finished requests.
+it: preempts requests (preempt mode; one at a time, planning again after each), admits requests
+(locking their cached prefix), allocates the pages their new tokens need (evicting from the
+prefix cache on demand) and returns the batch, prefill chunks first, then decodes. ``advance()``
+(at launch) and ``commit()`` (when the sampled tokens arrive) move each request on, cache
+completed chunks, and free or cache the pages of finished requests.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ class Scheduler:
         enable_radix_cache: bool,
         delayer: PrefillDelayer | None = None,
         hold_kv_on_finish: bool = False,
+        preempt: bool = False,
     ):
         """``hold_kv_on_finish`` (a disaggregated prefill server): a finished request keeps its KV
-        pages in ``held`` until ``release_held``, while they are sent to the decode server."""
+        pages in ``held`` until ``release_held``, while they are sent to the decode server.
+        ``preempt``: the policy's preempt mode (admit on current need, preempt by recompute)
+        instead of reserving each request's full sequence."""
         self.page_size = page_size
         self.page_table = page_table
         self.max_running = max_running
@@ -44,6 +48,8 @@ class Scheduler:
         self.cache = RadixCache(page_size, self.allocator.free) if enable_radix_cache else None
         self.delayer = delayer
         self.hold_kv_on_finish = hold_kv_on_finish
+        self.preempt = preempt
+        self.num_preemptions = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.held: list[Request] = []  # finished, KV kept until it has been sent (prefill server)
@@ -64,35 +70,58 @@ class Scheduler:
         """The next batch as (request, new tokens), prefill chunks first, then decodes."""
         # the delayer also needs the prefill batch a drained decode batch would admit
         limit = self.max_running if self.delayer is not None else self.max_running - len(self.running)
-        candidates = list(itertools.islice(self.waiting, max(0, limit)))
+        # a preempted request whose last token is still in flight resumes once it has arrived
+        ready = itertools.takewhile(lambda r: r.num_inflight == 0, self.waiting)
+        candidates = list(itertools.islice(ready, max(0, limit)))
         matches = {req.rid: self._match(req) for req in candidates}
         ps = self.page_size
-        running = [
-            RunningInfo(r.rid, r.num_pending, r.prefilling, len(r.pages), -(-r.max_len // ps)) for r in self.running
-        ]
-        running += self._reservations(self.receiving)
         waiting = [
             WaitingInfo(
                 w.rid,
-                len(w.prompt_ids) - len(matches[w.rid][0]) * self.page_size,
+                len(w.token_ids) - len(matches[w.rid][0]) * self.page_size,
                 len(matches[w.rid][0]),
                 self._pages_to_pin(matches[w.rid][1]),
                 self.pages_for(w.max_len),
             )
             for w in candidates
         ]
-        evictable = self.cache.evictable_pages if self.cache else 0
-        budget = Budget(
-            self.chunked_prefill_size,
-            self.max_running,
-            self.allocator.num_free + evictable,
-            self.long_prefill_threshold,
-        )
-        plan = build_schedule(running, waiting, budget)
+        by_rid = {r.rid: r for r in self.running}
+        preempted = False
+        while True:
+            running = [
+                RunningInfo(
+                    r.rid,
+                    r.num_pending,
+                    r.prefilling,
+                    len(r.pages),
+                    -(-r.max_len // ps),
+                    r.num_computed,
+                    len(r.pages) - r.cached_pages,
+                    True,
+                )
+                for r in self.running
+            ]
+            running += self._reservations(self.receiving)
+            evictable = self.cache.evictable_pages if self.cache else 0
+            budget = Budget(
+                self.chunked_prefill_size,
+                self.max_running,
+                self.allocator.num_free + evictable,
+                self.long_prefill_threshold,
+                self.preempt,
+                ps,
+            )
+            plan = build_schedule(running, [] if preempted else waiting, budget)
+            if not plan.preempted:
+                break
+            # The budget is exact, so the first victim is needed; what the next ones free is a lower
+            # bound (cached pages only they lock become evictable too). Preempt one and plan again
+            # on exact counts, as vLLM does: no request is preempted that the step did not need.
+            self._preempt(by_rid[plan.preempted[0]])
+            preempted = True
         if self.delayer is not None:
             plan = self._negotiate_prefill(plan, running, waiting, budget)
 
-        by_rid = {r.rid: r for r in self.running}
         for rid, _ in plan.admitted:
             req = self.waiting.popleft()
             assert req.rid == rid, "the policy admits in arrival order"
@@ -149,18 +178,20 @@ class Scheduler:
             acc = self.accounting()
             low = watermark is not None and acc["held_by_requests"] / acc["total"] < watermark
             if not one_pass.negotiate(WorkerInfo(True, low, len(self.running), max_prefill_bs)):
-                plan = Schedule(plan.running, ())
+                plan = dataclasses.replace(plan, admitted=())
         one_pass.finalize(actual_prefill=bool(plan.admitted))
         return plan
 
     def _match(self, req: Request):
         if self.cache is None:
             return [], None
-        if req.prefix_match is not None and req.prefix_match[0] == self.cache.version:
+        key = (self.cache.version, len(req.token_ids))
+        if req.prefix_match is not None and req.prefix_match[0] == key:
             return req.prefix_match[1:]  # the tree gained or lost no page since: still the match
-        # the last prompt token is always recomputed: its logits give the first output token
-        pages, node = self.cache.match_prefix(req.prompt_ids[: len(req.prompt_ids) - 1])
-        req.prefix_match = (self.cache.version, pages, node)
+        # the last token is always recomputed: its logits give the next output token (a preempted
+        # request resumes from all its tokens, prompt and output)
+        pages, node = self.cache.match_prefix(req.token_ids[: len(req.token_ids) - 1])
+        req.prefix_match = (key, pages, node)
         return pages, node
 
     @staticmethod
@@ -175,7 +206,10 @@ class Scheduler:
         if node is not None:
             self.cache.lock(node)
         req.node, req.pages, req.cached_pages = node, list(pages), len(pages)
-        req.num_computed = req.cached_tokens = len(pages) * self.page_size
+        req.num_computed = len(pages) * self.page_size
+        req.prefill_len = len(req.token_ids)
+        if req.num_preemptions == 0:  # the prompt tokens served by the prefix cache (usage)
+            req.cached_tokens = req.num_computed
         req.slot = self.page_table.acquire()
         self.page_table.write(req.slot, 0, req.pages)
         req.status = Status.RUNNING
@@ -188,7 +222,7 @@ class Scheduler:
         if self.allocator.num_free < need and self.cache is not None:
             self.cache.evict(need - self.allocator.num_free)
         pages = self.allocator.alloc(need)
-        if pages is None:  # the policy's full-sequence check makes this unreachable
+        if pages is None:  # the policy's KV check (and preemption) makes this unreachable
             raise RuntimeError(f"out of KV pages for request {req.rid}: {self.accounting()}")
         self.page_table.write(req.slot, len(req.pages), pages)
         req.pages += pages
@@ -207,9 +241,26 @@ class Scheduler:
         req.pages[:full], req.cached_pages, req.node = pages, full, node
         self.page_table.write(req.slot, 0, pages)
 
+    def _preempt(self, req: Request) -> None:
+        """Drop a running request's KV (its full pages go to the prefix cache) and queue it first;
+        it resumes by recomputing its tokens. A token still in flight reaches it in ``commit``."""
+        self.page_table.release(req.slot)
+        req.slot = None
+        self.running.remove(req)
+        self._release_kv(req)
+        req.status, req.num_computed, req.prefix_match = Status.WAITING, 0, None
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
     def finish(self, req: Request, reason: str) -> None:
         """Release a running request: its full pages go to the prefix cache (or are freed), or
-        with ``hold_kv_on_finish`` stay held for a KV transfer (see ``release_held``)."""
+        with ``hold_kv_on_finish`` stay held for a KV transfer (see ``release_held``). A preempted
+        request that its in-flight token finishes just leaves the queue."""
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, reason
+            return
         self.page_table.release(req.slot)
         req.slot = None
         req.status, req.finish_reason = Status.FINISHED, reason

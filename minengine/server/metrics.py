@@ -23,6 +23,10 @@ class Metrics:
             "minengine:request_success", "finished requests", ["finished_reason"], registry=r
         )
         self.aborted = Counter("minengine:num_aborted_requests", "aborted requests", registry=r)
+        self.preemptions = Counter(
+            "minengine:num_preemptions", "requests preempted (KV dropped, resumed by recompute)", registry=r
+        )
+        self._preemptions_seen = 0
         self.ttft = Histogram(
             "minengine:time_to_first_token_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -84,6 +88,10 @@ class Metrics:
         for name, value in stats.items():
             if name in self.gauges:
                 self.gauges[name].set(value)
+        # the workers count preemptions since their start; their sum only grows
+        if stats.get("num_preemptions", 0) > self._preemptions_seen:
+            self.preemptions.inc(stats["num_preemptions"] - self._preemptions_seen)
+            self._preemptions_seen = stats["num_preemptions"]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
