@@ -346,7 +346,8 @@ def test_a_request_queued_for_decode_kv_does_not_time_out(pair):
     waits (its decode server claimed the room) instead of failing."""
     # Both sides step in this one thread, and pings go every timeout / 4: a timeout of 1 s leaves
     # 0.75 s for one loop turn (about 0.15 s at most here, under load), where 0.5 s left too little.
-    pd = pair(timeout=1.0, decode_radix=False, decode={"max_total_tokens": 256})
+    # reserve: r0's whole sequence (233 tokens) is held for it, so r1 waits in the prealloc queue
+    pd = pair(timeout=1.0, decode_radix=False, decode={"max_total_tokens": 256, "kv_admission": "reserve"})
     pd.submit("r0", PROMPTS[3], SamplingParams(max_tokens=230, temperature=0, ignore_eos=True))
     pd.submit("r1", PROMPTS[3])
     pd.run_until(lambda: len(pd.d.prealloc) == 1 and pd.out.get("d:r0"))
@@ -466,10 +467,11 @@ def test_mismatched_servers_and_duplicate_rooms(pair):
     pd.run_until(pd.idle)
 
 
-def test_decode_admission_waits_for_kv(pair, reference):
+@pytest.mark.parametrize("admission", ["preempt", "reserve"])
+def test_decode_admission_waits_for_kv(pair, reference, admission):
     """A decode pool with room for one request at a time (10 pages) serves a queue of them in
     order; each waits in the prealloc queue until the KV of the one before is freed."""
-    pd = pair(decode={"max_total_tokens": 40}, decode_radix=False)
+    pd = pair(decode={"max_total_tokens": 40, "kv_admission": admission}, decode_radix=False)
     prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[3]]  # 6, 8 and 6 pages at their longest
     for i, p in enumerate(prompts):
         pd.submit(f"r{i}", p)
@@ -479,6 +481,44 @@ def test_decode_admission_waits_for_kv(pair, reference):
     pd.run_until(pd.done("d:r0", "d:r1", "d:r2"))
     assert [pd.out[f"d:r{i}"]["tokens"] for i in range(3)] == reference(prompts)
     pd.run_until(pd.idle)
+
+
+@pytest.mark.parametrize("decode_radix", [False, True])
+def test_decode_server_preempts_by_recompute(pair, reference, decode_radix):
+    """Preempt mode on the decode server admits on the KV a request takes now (its prompt and the
+    reserved tokens), not its whole max_tokens: three requests that need 8 pages each at their
+    longest share a 10-page pool. When decodes run out of pages the newest is preempted and recomputes its
+    prompt and output locally (from the decode radix cache when on); tokens equal one engine's,
+    and no request is admitted while a preempted one waits."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = [PROMPTS[2], PROMPTS[2][::-1], PROMPTS[3][:9]]  # 9 prompt tokens each: 3 pages with 2 reserved
+    runs = {}
+    for admission in ("reserve", "preempt"):
+        pd = pair(decode={"max_total_tokens": 40, "kv_admission": admission}, decode_radix=decode_radix)
+        sched = pd.d.engine.scheduler
+        preallocate = sched.preallocate
+
+        def first_the_preempted(req, reserved, sched=sched, preallocate=preallocate):
+            queued = bool(sched.waiting)
+            admitted = preallocate(req, reserved)
+            assert not (queued and admitted), "admitted while a preempted request waits"
+            return admitted
+
+        sched.preallocate = first_the_preempted
+        for i, p in enumerate(prompts):
+            pd.submit(f"r{i}", p, params)
+        most = 0
+        while not pd.done(*[f"d:r{i}" for i in range(3)])():
+            pd.step()
+            most = max(most, len(sched.running) + len(sched.receiving))
+            acc = sched.accounting()
+            assert acc["free"] + acc["held_by_requests"] + acc["held_only_by_cache"] == acc["total"]
+        assert [pd.out[f"d:r{i}"]["tokens"] for i in range(3)] == reference(prompts, params)
+        runs[admission] = (most, sched.num_preemptions)
+        pd.run_until(pd.idle)
+    assert runs["reserve"] == (1, 0)  # one at a time
+    most, preempted = runs["preempt"]
+    assert most >= 2 and preempted > 0
 
 
 @pytest.mark.gpu

@@ -153,3 +153,27 @@ def test_the_oldest_is_not_preempted_when_newer_ones_sharing_a_prefix_make_room(
     want = LLM("tiny", kv_admission="reserve").generate([r.prompt_ids for r in (a, b, c)], greedy(30), use_tqdm=False)
     assert a.output_ids == want[0].token_ids[:2]
     assert [b.output_ids, c.output_ids] == [o.token_ids for o in want[1:]]
+
+
+@pytest.mark.parametrize("mode", ["preempt", "reserve"])
+def test_decode_server_preallocation(mode):
+    """A decode server's admission (``Scheduler.preallocate``, no transfer needed to check it):
+    preempt mode takes the pages of the prompt and the reserved tokens plus a page per request
+    running or receiving; reserve mode the whole sequence beside what the others may need. No
+    request is admitted while one it preempted waits."""
+    eng = LLM("tiny", page_size=4, max_total_tokens=64, kv_admission=mode).engine  # 16 pages
+    sched = eng.scheduler
+    params = SamplingParams(max_tokens=40, ignore_eos=True)  # 10 + 40 tokens: 13 pages at its longest
+    reqs = [eng.new_request(list(range(20 + i, 30 + i)), params) for i in range(5)]
+    # 10 prompt + 2 reserved tokens: 3 pages each, plus a page per request already there
+    admitted = [sched.preallocate(r, 2) for r in reqs]
+    assert admitted == ([True] * 4 + [False] if mode == "preempt" else [True] + [False] * 4)
+    assert [len(r.pages) for r in sched.receiving] == [3] * admitted.count(True)
+    if mode == "preempt":  # 12 pages taken, 4 free: the 5th needs 3 + 4 of headroom
+        assert sched.allocator.num_free == 4
+        sched.activate(reqs[0], 1)
+        sched._preempt(reqs[0])  # 7 free or evictable now: enough for the 5th (3 + 3) ...
+        assert sched.allocator.num_free + sched.cache.evictable_pages == 7
+        assert not sched.preallocate(reqs[4], 2)  # ... but the preempted request goes first
+        sched.waiting.clear()
+        assert sched.preallocate(reqs[4], 2)

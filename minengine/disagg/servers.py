@@ -13,7 +13,9 @@
 ``DecodeDriver`` (``--disaggregation-mode decode``) has two:
 
 1. prealloc: match the prompt in the decode radix cache (when enabled), lock it, allocate pages
-   for the rest of the prompt and ``--num-reserved-decode-tokens``, and send that metadata;
+   for the rest of the prompt and ``--num-reserved-decode-tokens`` once the scheduler admits it
+   (``Scheduler.preallocate``: ``--kv-admission``'s check; requests it preempted go first), and
+   send that metadata;
 2. transfer: when the KV and the first token have arrived the request joins the decode batch.
    On finish the scheduler caches the whole sequence, so the next turn asks only for new pages.
 """

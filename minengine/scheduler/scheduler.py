@@ -294,16 +294,26 @@ class Scheduler:
         the prefix cache, lock the match, and allocate pages for the rest of the prompt plus
         ``reserved_tokens`` generated tokens. False (nothing taken) if it does not fit now.
 
-        Admission is the policy's (``max_running`` and the full-sequence KV check), asked after
-        locking (a lock makes cached pages unevictable). ``req.cached_pages * page_size`` tokens
-        need no transfer.
+        Admission is the policy's, asked after locking (a lock makes cached pages unevictable):
+        ``max_running``, and in reserve mode the full-sequence KV check; in preempt mode the pages
+        it takes now plus a page of headroom per request running or receiving, as for a waiting
+        request. Requests preempted here come first: none is admitted while one waits. A
+        preempted request resumes by recomputing its prompt and output on this server (from the
+        decode radix cache where it has one), as vLLM's decode instances do.
+        ``req.cached_pages * page_size`` tokens need no transfer.
         """
+        if self.waiting:
+            return False
         pages, node = self.cache.match_prefix(req.prompt_ids) if self.cache is not None else ([], None)
         if node is not None:
             self.cache.lock(node)
         evictable = self.cache.evictable_pages if self.cache is not None else 0
-        candidate = WaitingInfo(req.rid, 0, len(pages), 0, self.pages_for(req.max_len))  # its match is pinned
-        budget = Budget(1, self.max_running, self.allocator.num_free + evictable)
+        upto = min(req.max_len, len(req.prompt_ids) + reserved_tokens)  # what it takes now
+        pending = upto - len(pages) * self.page_size
+        candidate = WaitingInfo(req.rid, pending, len(pages), 0, self.pages_for(req.max_len))  # its match is pinned
+        budget = Budget(
+            max(1, pending), self.max_running, self.allocator.num_free + evictable, None, self.preempt, self.page_size
+        )
         if not build_schedule(self._reservations((*self.running, *self.receiving)), [candidate], budget).admitted:
             if node is not None:
                 self.cache.unlock(node)
@@ -314,7 +324,7 @@ class Scheduler:
         self.page_table.write(req.slot, 0, req.pages)
         req.status = Status.RUNNING
         self.receiving.append(req)
-        self._grow(req, min(req.max_len, len(req.prompt_ids) + reserved_tokens))
+        self._grow(req, upto)
         return True
 
     def _reservations(self, reqs) -> list[RunningInfo]:
