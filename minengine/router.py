@@ -6,7 +6,9 @@ Per request it picks a prefill server and a decode server, adds ``bootstrap_host
 ``bootstrap_port`` (the prefill server's KV handshake endpoint) and a random ``bootstrap_room``,
 sends the request to both, and answers with the decode server's response (streamed when asked).
 The prefill half runs with ``stream`` off and one token; if it fails before the decode half
-answers, its error is the answer. A client that goes away cancels both halves.
+answers, its error is the answer. A client that goes away cancels both halves. A server that
+refuses the connection never saw the request, so the request goes to another pair (both halves
+again, with a new room) while another server of that kind is up, up to ``MAX_ATTEMPTS`` pairs.
 
 Routing is prefix-aware: each server remembers the (hashed, 16-character) prefixes of the
 prompts it was sent, and a request goes to the server that shares the longest prefix with it,
@@ -45,6 +47,7 @@ IMBALANCE = 8  # prefer the prefix match unless its server has this many more re
 PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefill half's answer
 DOWN_SECONDS = 5.0  # a server that refused a connection gets no new requests for this long (unless all did)
 CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as long as generation does)
+MAX_ATTEMPTS = 3  # pairs a request may be sent to when servers refuse connections
 
 
 @dataclass
@@ -93,6 +96,10 @@ class Picker:
         self.backends = backends
         self._next = 0
 
+    def any_up(self) -> bool:
+        now = time.monotonic()
+        return any(b.down_until <= now for b in self.backends)
+
     def pick(self, key: str) -> Backend:
         chain = prefix_chain(key)
         now = time.monotonic()
@@ -140,6 +147,9 @@ class Router:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("minengine_router:requests", "requests routed", ["prefill", "decode"], registry=r)
         self.failures = Counter("minengine_router:failures", "requests answered with an error", ["server"], registry=r)
+        self.retries = Counter(
+            "minengine_router:retries", "requests sent to another pair: a server refused them", ["server"], registry=r
+        )
         self._background: set[asyncio.Task] = set()
 
     async def forward(self, path: str, raw: Request) -> Response:
@@ -150,6 +160,19 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         key = routing_key(body)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return await self._send(path, raw, body, key, retry=attempt < MAX_ATTEMPTS)
+            except _Refused as refused:
+                logger.warning(
+                    "%s refused a connection (attempt %d): sending the request to another pair", refused, attempt
+                )
+                self.retries.labels(server=str(refused)).inc()
+        raise AssertionError("unreachable: the last attempt answers")
+
+    async def _send(self, path: str, raw: Request, body: dict, key: str, retry: bool) -> Response:
+        """One attempt on a new pair; raises ``_Refused`` (the other half cancelled) when ``retry``
+        and a server refused the connection while another of its kind is up."""
         p, d = self.prefill.pick(key), self.decode.pick(key)
         self.requests.labels(prefill=p.url, decode=d.url).inc()
         boot = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port, "bootstrap_room": secrets.randbits(63)}
@@ -162,13 +185,22 @@ class Router:
         prefill.add_done_callback(lambda t: _prefill_ended(t, p))
         try:
             if body.get("stream"):
-                return await self._stream(path, d, decode_body, prefill, p)
-            return await self._unary(path, raw, d, decode_body, prefill, p)
+                return await self._stream(path, d, decode_body, prefill, p, retry)
+            return await self._unary(path, raw, d, decode_body, prefill, p, retry)
         except BaseException:
             prefill.cancel()
             raise
 
-    async def _unary(self, path, raw, d: Backend, body, prefill: asyncio.Task, p: Backend) -> Response:
+    @staticmethod
+    def _refused(retry: bool, exc: BaseException | None, server: Backend, picker: Picker) -> bool:
+        """Whether the request may go to another pair: ``server`` refused the connection (so it
+        never saw the request) and another server of its kind is up."""
+        if not (retry and isinstance(exc, httpx.ConnectError)):
+            return False
+        server.unreachable(exc)
+        return picker.any_up()
+
+    async def _unary(self, path, raw, d: Backend, body, prefill: asyncio.Task, p: Backend, retry: bool) -> Response:
         decode = asyncio.create_task(self.client.post(d.url + path, json=body))
         try:
             while not decode.done():
@@ -176,6 +208,8 @@ class Router:
                 failed = _failure(prefill, p) if prefill.done() else None
                 if failed is not None and not decode.done():
                     decode.cancel()
+                    if self._refused(retry, prefill.exception(), p, self.prefill):
+                        raise _Refused(p.url)
                     self.failures.labels(server=p.url).inc()
                     return failed
                 if not decode.done() and await raw.is_disconnected():
@@ -188,6 +222,9 @@ class Router:
             resp = decode.result()
             answer = Response(resp.content, status_code=resp.status_code, media_type="application/json")
         except httpx.HTTPError as exc:
+            if self._refused(retry, exc, d, self.decode):
+                prefill.cancel()  # its server must not wait for this pairing
+                raise _Refused(d.url) from None
             d.unreachable(exc)
             answer = error_response(502, f"the decode server {d.url} failed: {exc!r}")
         if answer.status_code == 200:
@@ -206,31 +243,42 @@ class Router:
         self.failures.labels(server=d.url).inc()
         return answer
 
-    async def _stream(self, path, d: Backend, body, prefill: asyncio.Task, p: Backend) -> Response:
+    async def _stream(self, path, d: Backend, body, prefill: asyncio.Task, p: Backend, retry: bool) -> Response:
         request = self.client.build_request("POST", d.url + path, json=body)
         headers = asyncio.ensure_future(self.client.send(request, stream=True))
         # the decode server answers once the request is admitted; a failed prefill half ends the wait
+        failed = None
         try:
             while not headers.done():
                 await asyncio.wait({headers} if prefill.done() else {headers, prefill}, return_when="FIRST_COMPLETED")
                 if not headers.done() and (failed := _failure(prefill, p)) is not None:
                     headers.cancel()
                     await asyncio.gather(headers, return_exceptions=True)
-                    d.in_flight -= 1
-                    self.failures.labels(server=p.url).inc()
-                    return failed
+                    break
         except BaseException:  # cancelled (the client went away): no decode request left behind
             headers.cancel()
             d.in_flight -= 1
             raise
+        if failed is not None:
+            d.in_flight -= 1
+            if self._refused(retry, prefill.exception(), p, self.prefill):
+                raise _Refused(p.url)
+            self.failures.labels(server=p.url).inc()
+            return failed
         try:
             resp = headers.result()
         except httpx.HTTPError as exc:
-            d.unreachable(exc)
             d.in_flight -= 1
             prefill.cancel()
+            if self._refused(retry, exc, d, self.decode):
+                raise _Refused(d.url) from None
+            d.unreachable(exc)
             self.failures.labels(server=d.url).inc()
             return error_response(502, f"the decode server {d.url} failed: {exc!r}")
+        if prefill.done() and not prefill.cancelled() and self._refused(retry, prefill.exception(), p, self.prefill):
+            await resp.aclose()  # refused while the decode server answered: nothing reached the client yet
+            d.in_flight -= 1
+            raise _Refused(p.url)
         if resp.status_code != 200:
             content = await resp.aread()
             await resp.aclose()
@@ -313,6 +361,10 @@ class Router:
         for task in list(self._background):
             task.cancel()
         await self.client.aclose()
+
+
+class _Refused(Exception):
+    """A server refused a request's connection; it goes to another pair (the message: the server)."""
 
 
 def _prefill_ended(task: asyncio.Task, p: Backend) -> None:

@@ -3,6 +3,7 @@ checked against a single server with the same checkpoint."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -63,7 +64,7 @@ def cluster(tmp_path_factory):
         procs.append(decode)
         router, router_url = start_router("--prefill", prefill_url, str(boot), "--decode", decode_url)
         procs.append(router)
-        yield {"single": single_url, "prefill": prefill_url, "decode": decode_url, "router": router_url}
+        yield {"single": single_url, "prefill": prefill_url, "boot": boot, "decode": decode_url, "router": router_url}
     finally:
         for proc in procs:
             stop_server(proc)
@@ -194,6 +195,29 @@ def test_dead_prefill_server(cluster):
         stop_server(proc)
 
 
+def test_a_dead_prefill_server_beside_a_live_one_fails_no_request(cluster):
+    """Real processes: the router tries the dead server first (round robin), is refused, and
+    sends the request to the live pair; every request is answered."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    live = ["--prefill", cluster["prefill"], str(cluster["boot"])]
+    proc, url = start_router("--prefill", dead, str(free_port()), *live, "--decode", cluster["decode"])
+    try:
+        via, ref = client(url), client(cluster["single"])
+        model = ref.models.list().data[0].id
+        prompts = [f"retry {i}: the quick brown fox" for i in range(3)]
+        got = [via.completions.create(model=model, prompt=p, **GREEDY).choices[0].text for p in prompts[:2]]
+        stream = via.completions.create(model=model, prompt=prompts[2], stream=True, **GREEDY)
+        got.append("".join(c.choices[0].text for c in stream if c.choices))
+        assert got == [ref.completions.create(model=model, prompt=p, **GREEDY).choices[0].text for p in prompts]
+        # once, unless a request came over 5 s after the refusal (a slow machine): at most once each
+        line = f'minengine_router:retries_total{{server="{dead}"}} '
+        retries = [float(x.split()[-1]) for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith(line)]
+        assert retries and 1 <= retries[0] <= len(prompts)
+        assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
+    finally:
+        stop_server(proc)
+
+
 def test_router_flags_fail_in_one_line():
     for args, needle in [
         (["--decode", "http://x:1"], "--prefill"),
@@ -287,3 +311,94 @@ def test_a_silent_decode_server_does_not_hold_a_stream_whose_prefill_failed():
 
     r, seconds = asyncio.run(run())
     assert r.status_code == 500 and "prefill half failed" in r.text and seconds < 5
+
+
+def _two_pair_router(handler):
+    from minengine.router import Backend, Router, build_app
+
+    router = Router([Backend("http://p1", 1), Backend("http://p2", 2)], [Backend("http://d1"), Backend("http://d2")])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
+    return router, http
+
+
+def _retries(router) -> dict[str, float]:
+    from prometheus_client import generate_latest
+
+    text = generate_latest(router.registry).decode()
+    return {
+        line.split('"')[1]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("minengine_router:retries_total{")
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("refusing", ["p1", "d1"])
+def test_a_refused_connection_sends_the_request_to_another_pair(stream, refusing):
+    """A server that refuses the connection never saw the request: the router sends both halves
+    to another pair (a new room), the client gets the answer, and the refusing server is passed
+    over for a while. The first pair's other half is cancelled."""
+    import asyncio
+
+    seen = []
+
+    async def handler(request):
+        body = json.loads(request.content)
+        seen.append((request.url.host, body["bootstrap_port"], body["bootstrap_room"]))
+        if request.url.host == refusing:
+            raise httpx.ConnectError("connection refused")
+        if request.url.host.startswith("p"):
+            await asyncio.sleep(0.05)
+            return httpx.Response(200, json={"choices": [{"text": "a"}]})
+        await asyncio.sleep(0.2)  # the prefill half answers (or is refused) first
+        if body.get("stream"):
+
+            async def events():
+                yield b'data: {"choices": [{"text": "ab"}]}\n\ndata: [DONE]\n\n'
+
+            return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"choices": [{"text": "ab"}], "by": request.url.host})
+
+    async def run():
+        router, http = _two_pair_router(handler)
+        async with http:
+            first = await http.post("/v1/completions", json={"prompt": "x", "stream": stream}, timeout=10)
+            again = await http.post("/v1/completions", json={"prompt": "y", "stream": stream}, timeout=10)
+        return router, first, again
+
+    router, first, again = asyncio.run(run())
+    assert first.status_code == 200 and '"ab"' in first.text
+    assert _retries(router) == {f"http://{refusing}": 1.0}
+    # the retry went to the other server of the refusing kind, both halves with a new room
+    tried = [h for h, _, _ in seen]
+    kind = refusing[0]
+    assert [h for h in tried if h[0] == kind][:2] == [refusing, kind + "2"]
+    rooms = {room for _, _, room in seen}
+    assert len(rooms) >= 2
+    last_pair = [(h, port) for h, port, room in seen if room == seen[-1][2]]
+    assert {h[0] for h, _ in last_pair} == {"p", "d"} and all(port == 2 for _, port in last_pair) == (kind == "p")
+    # the refusing server is passed over now: the next request makes no retry
+    assert again.status_code == 200 and _retries(router) == {f"http://{refusing}": 1.0}
+
+
+def test_when_every_server_of_a_kind_refuses_the_client_gets_the_error():
+    import asyncio
+
+    tried = []
+
+    async def handler(request):
+        tried.append(request.url.host)
+        if request.url.host.startswith("p"):
+            raise httpx.ConnectError("connection refused")
+        await asyncio.sleep(5)
+
+    async def run():
+        router, http = _two_pair_router(handler)
+        async with http:
+            return router, await http.post("/v1/completions", json={"prompt": "x"}, timeout=10)
+
+    router, r = asyncio.run(run())
+    assert r.status_code == 502 and "prefill server http://p2 failed" in r.json()["error"]["message"]
+    assert sorted(h for h in tried if h.startswith("p")) == ["p1", "p2"]  # each once: no third attempt
+    assert _retries(router) == {"http://p1": 1.0}
