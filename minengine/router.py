@@ -234,8 +234,7 @@ class Router:
         # whole max_tokens); otherwise a failed prefill half is the cause. Either way the prefill
         # half can never hand its KV over, so it is stopped.
         if answer.status_code >= 500:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(prefill), PREFILL_GRACE_SECONDS)
+            await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)  # (raises nothing of its own)
             if prefill.done() and (failed := _failure(prefill, p)) is not None:
                 self.failures.labels(server=p.url).inc()
                 return failed
@@ -275,15 +274,21 @@ class Router:
             d.unreachable(exc)
             self.failures.labels(server=d.url).inc()
             return error_response(502, f"the decode server {d.url} failed: {exc!r}")
+        # NOTE: a refusal noticed only once the stream has begun (a slow connect error) is not
+        # retried: it ends the stream with the prefill server's error, as any prefill failure does
         if prefill.done() and not prefill.cancelled() and self._refused(retry, prefill.exception(), p, self.prefill):
-            await resp.aclose()  # refused while the decode server answered: nothing reached the client yet
-            d.in_flight -= 1
+            try:  # refused while the decode server answered: nothing reached the client yet
+                await resp.aclose()
+            finally:
+                d.in_flight -= 1
             raise _Refused(p.url)
         if resp.status_code != 200:
-            content = await resp.aread()
-            await resp.aclose()
-            d.in_flight -= 1
-            prefill.cancel()
+            try:
+                content = await resp.aread()
+                await resp.aclose()
+            finally:
+                d.in_flight -= 1
+                prefill.cancel()
             self.failures.labels(server=d.url).inc()
             return Response(content, status_code=resp.status_code, media_type="application/json")
 

@@ -160,8 +160,8 @@ def test_decode_server_preallocation(mode):
     """A decode server's admission (``Scheduler.preallocate``, no transfer needed to check it):
     preempt mode takes the pages of the prompt and the reserved tokens plus a page per request
     running or receiving; reserve mode the whole sequence beside what the others may need. No
-    request is admitted while one it preempted waits."""
-    eng = LLM("tiny", page_size=4, max_total_tokens=64, kv_admission=mode).engine  # 16 pages
+    request is admitted while one it preempted waits or is still recomputing its tokens."""
+    eng = LLM("tiny", page_size=4, max_total_tokens=64, kv_admission=mode, chunked_prefill_size=2).engine  # 16 pages
     sched = eng.scheduler
     params = SamplingParams(max_tokens=40, ignore_eos=True)  # 10 + 40 tokens: 13 pages at its longest
     reqs = [eng.new_request(list(range(20 + i, 30 + i)), params) for i in range(5)]
@@ -175,5 +175,14 @@ def test_decode_server_preallocation(mode):
         sched._preempt(reqs[0])  # 7 free or evictable now: enough for the 5th (3 + 3) ...
         assert sched.allocator.num_free + sched.cache.evictable_pages == 7
         assert not sched.preallocate(reqs[4], 2)  # ... but the preempted request goes first
-        sched.waiting.clear()
-        assert sched.preallocate(reqs[4], 2)
+        sched.activate(reqs[1], 1)
+        sched.finish(reqs[1], "length")  # 10 now: room for the 5th beside the 1st's recompute too
+        # readmitted, the 1st recomputes its 11 tokens (8 cached, then chunks of 2); a new request
+        # would take the pages of its next chunks and could not be preempted for them while its KV
+        # arrives, so it waits for the recompute too
+        for computed in (10, 11):
+            assert not sched.preallocate(reqs[4], 2)
+            sched.advance(sched.schedule())
+            assert reqs[0].status is Status.RUNNING and reqs[0].num_computed == computed
+        assert sched.allocator.num_free + sched.cache.evictable_pages == 7
+        assert sched.preallocate(reqs[4], 2)  # 3 pages + 3 of headroom

@@ -402,3 +402,22 @@ def test_when_every_server_of_a_kind_refuses_the_client_gets_the_error():
     assert r.status_code == 502 and "prefill server http://p2 failed" in r.json()["error"]["message"]
     assert sorted(h for h in tried if h.startswith("p")) == ["p1", "p2"]  # each once: no third attempt
     assert _retries(router) == {"http://p1": 1.0}
+
+
+@pytest.mark.parametrize("decode_status", ["refused", 500])
+def test_a_failed_decode_half_beside_a_refused_prefill_half_is_a_502(decode_status):
+    """Both halves fail: the answer is the prefill server's error in the OpenAI shape (the
+    prefill half's exception used to escape as a bare 500)."""
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "p" or decode_status == "refused":
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(500, json={"error": {"message": "decode failed", "code": 500}})
+
+    async def run():
+        async with _router_app(handler) as http:
+            return await http.post("/v1/completions", json={"prompt": "x"}, timeout=10)
+
+    r = asyncio.run(run())
+    assert r.status_code == 502 and "the prefill server http://p failed" in r.json()["error"]["message"]

@@ -297,12 +297,14 @@ class Scheduler:
         Admission is the policy's, asked after locking (a lock makes cached pages unevictable):
         ``max_running``, and in reserve mode the full-sequence KV check; in preempt mode the pages
         it takes now plus a page of headroom per request running or receiving, as for a waiting
-        request. Requests preempted here come first: none is admitted while one waits. A
-        preempted request resumes by recomputing its prompt and output on this server (from the
-        decode radix cache where it has one), as vLLM's decode instances do.
-        ``req.cached_pages * page_size`` tokens need no transfer.
+        request. A preempted request resumes by recomputing its prompt and output on this server
+        (from the decode radix cache where it has one), as vLLM's decode instances do. Such
+        requests come first: none is admitted while one waits or is still recomputing (a new one
+        would take the pages of its next chunk, and could not be preempted for them while its KV
+        arrives). ``req.cached_pages * page_size`` tokens need no transfer.
         """
-        if self.waiting:
+        # NOTE: on a decode server only a preempted request waits or prefills
+        if self.waiting or any(r.prefilling for r in self.running):
             return False
         pages, node = self.cache.match_prefix(req.prompt_ids) if self.cache is not None else ([], None)
         if node is not None:
