@@ -58,6 +58,23 @@ def test_preempted_requests_resume_with_the_same_tokens(config, kv_checked_steps
     assert preempted > 0, f"seed {seed}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_preempted_requests_resume_with_the_same_tokens_on_gpu(backend, kv_checked_steps):
+    """On a GPU: decode steps replay CUDA graphs while requests are preempted and readmitted
+    (slots and pages change between replays), overlap on, float32."""
+    if backend == "cuda":
+        pytest.importorskip("minengine._C")
+    seed = random.randrange(1 << 30)
+    prompts, params = workload(seed)
+    gpu = dict(device="cuda", dtype="float32", attention_backend=backend)
+    want, none = run(prompts, params, kv_admission="reserve", **gpu)
+    assert none == 0
+    got, preempted = run(prompts, params, max_total_tokens=96, cuda_graph_max_bs=16, **gpu)
+    assert got == want, f"seed {seed}"
+    assert preempted > 0, f"seed {seed}"
+
+
 def test_requests_without_a_small_max_tokens_run_together():
     """The case preemption is for: max_tokens up to the context (chat clients that send none)."""
     params = SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0)
