@@ -8,7 +8,9 @@ Datasets (lengths in tokens when --tokenizer is given, else in words of random t
 Requests go to /v1/completions with stream=true, ignore_eos and usage, at --request-rate (Poisson;
 inf by default) and at most --max-concurrency at a time, after --warmup-requests. Reports request
 throughput, input/output token throughput, and mean / median / p99 of TTFT, TPOT, ITL and E2E
-latency; saves JSON + markdown; --plot adds latency CDFs and throughput over time (PNG).
+latency; saves JSON + markdown; --plot adds latency CDFs and throughput over time (PNG). Where
+the server has a Prometheus ``/metrics`` (minengine, vLLM, SGLang), the report adds what its
+preemption and prefix-cache counters gained during the run (``server_counters``).
 
     python -m minengine.serve &                                       # or any other server
     python benchmarks/bench_serving.py --dataset random --num-prompts 200 --tokenizer tiny
@@ -160,11 +162,37 @@ async def send(http: httpx.AsyncClient, args, req: Request) -> Result:
     return res
 
 
-async def run(args, dataset: list[Request], prompts: Prompts, rng: random.Random) -> tuple[list[Result], float]:
+COUNTER_WORDS = ("preempt", "prefix_cache", "cache_hit")  # the server counters a report keeps
+
+
+async def counters(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    """The server's Prometheus counters about preemption and prefix caching ({} without /metrics)."""
+    try:
+        resp = await http.get(base_url + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return {}
+    if resp.status_code != 200:
+        return {}
+    out = {}
+    for line in resp.text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if line.startswith("#") or not name.split("{")[0].endswith("_total"):
+            continue
+        if any(w in name for w in COUNTER_WORDS):
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+async def run(args, dataset: list[Request], prompts: Prompts, rng: random.Random):
+    """(results, seconds, what the server's counters gained during the measured requests)."""
     limits = httpx.Limits(max_connections=args.max_concurrency or 10_000, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as http:
         for warm in dataset[: args.warmup_requests]:
             await send(http, args, Request(warm.prompt, min(warm.output_len, 16)))
+        before = await counters(http, args.base_url)
         gate = asyncio.Semaphore(args.max_concurrency or 10_000)
         total = len(dataset) * (args.multi_turn_num_turns if args.dataset == "multi-turn" else 1)
         bar = tqdm(total=total, desc="requests", disable=args.no_progress)
@@ -188,8 +216,10 @@ async def run(args, dataset: list[Request], prompts: Prompts, rng: random.Random
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
         bar.close()
-        return results, time.perf_counter() - t0
+        after = await counters(http, args.base_url)
+        return results, duration, {k: v - before[k] for k, v in after.items() if k in before}
 
 
 def summarize(results: list[Result], duration: float) -> dict:
@@ -277,6 +307,9 @@ def markdown(report: dict) -> str:
     for name in ("ttft", "tpot", "itl", "e2e"):
         m = s[name]
         lines.append(f"| {name.upper()} | {m['mean_ms']:.1f} | {m['median_ms']:.1f} | {m['p99_ms']:.1f} |")
+    if report.get("server_counters"):
+        gained = ", ".join(f"`{k}` +{v:g}" for k, v in report["server_counters"].items())
+        lines += ["", f"- server counters during the run: {gained}"]
     return "\n".join(lines) + "\n"
 
 
@@ -324,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
     prompts = Prompts(args.tokenizer, rng)
     dataset = build_dataset(args, prompts, rng)
-    results, duration = asyncio.run(run(args, dataset, prompts, rng))
+    results, duration, gained = asyncio.run(run(args, dataset, prompts, rng))
     summary = summarize(results, duration)
     stem = f"serving_{args.dataset}" + (f"_{args.tag}" if args.tag else "")
     report = {
@@ -334,6 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
         "summary": summary,
+        "server_counters": gained,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot:

@@ -13,6 +13,8 @@
 #     overlap   overlap scheduling on / off
 #     chunk     chunked-prefill budget 512 / 2048 / 16384 (off-equivalent) on long and short prompts
 #     delayer   prefill delayer off / on, dp-size 1, bursty arrivals
+#     admission --kv-admission preempt / reserve with the KV pool cut to 64k tokens, long outputs:
+#               more requests at once and recomputation vs fewer and none (not in the default list)
 #   MODEL=<checkpoint dir> bash benchmarks/run_ablations.sh ...   (default: a Llama-3-8B-shaped dummy)
 #
 # A server that fails to start (e.g. flashinfer not importable) is logged and its run skipped; the
@@ -71,6 +73,8 @@ MIXED="--dataset random --num-prompts 200 --random-input-len 2048 --random-outpu
 LONG_SHORT="--dataset random --num-prompts 100 --random-input-len 8192 --random-range-ratio 0.02 --random-output-len 256 --request-rate 2"
 BURST="--dataset random --num-prompts 256 --random-input-len 1024 --random-output-len 512 --random-range-ratio 0.5"
 STEADY="--dataset random --num-prompts 256 --random-input-len 512 --random-output-len 512 --random-range-ratio 0.5"
+# up to 2k tokens a request in a 64k-token pool: reserve runs 32-64 at a time, preempt more
+KV_BOUND="--dataset random --num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.5"
 
 groups=("$@")
 [ ${#groups[@]} -eq 0 ] && groups=(backends overlap chunk delayer)
@@ -88,7 +92,9 @@ for group in "${groups[@]}"; do
     delayer)
       run "delayer-off" "" "$BURST"
       run "delayer-on" "--enable-prefill-delayer" "$BURST" ;;
-    *) echo "unknown group $group; allowed: backends overlap chunk delayer" >&2; exit 2 ;;
+    admission)
+      for mode in preempt reserve; do run "admission-$mode" "--kv-admission $mode --max-total-tokens 65536" "$KV_BOUND"; done ;;
+    *) echo "unknown group $group; allowed: backends overlap chunk delayer admission" >&2; exit 2 ;;
   esac
 done
 exit $FAILED

@@ -572,6 +572,10 @@ def test_bench_serving_smoke(server, dataset, tmp_path):
     assert s["ttft"]["median_ms"] > 0 and s["e2e"]["p99_ms"] >= s["e2e"]["median_ms"]
     assert all(Path(p).stat().st_size > 0 for p in report["plots"])
     assert (tmp_path / f"serving_{dataset}.json").is_file()
+    gained = report["server_counters"]  # the server's counters, scraped before and after the run
+    assert gained["minengine:num_preemptions_total"] == 0
+    hits = gained["minengine:prefix_cache_hit_tokens_total"]  # (random prompts may share a page by chance)
+    assert hits > 0 if dataset != "random" else hits >= 0
 
 
 def test_a_request_the_scheduler_rejects_fails_alone():
