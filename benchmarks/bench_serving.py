@@ -9,8 +9,8 @@ Requests go to /v1/completions with stream=true, ignore_eos and usage, at --requ
 inf by default) and at most --max-concurrency at a time, after --warmup-requests. Reports request
 throughput, input/output token throughput, and mean / median / p99 of TTFT, TPOT, ITL and E2E
 latency; saves JSON + markdown; --plot adds latency CDFs and throughput over time (PNG). Where
-the server has a Prometheus ``/metrics`` (minengine, vLLM, SGLang), the report adds what its
-preemption and prefix-cache counters gained during the run (``server_counters``).
+the server has a Prometheus ``/metrics`` (minengine, vLLM), the report adds what its preemption
+and prefix-cache counters gained during the run (``server_counters``).
 
     python -m minengine.serve &                                       # or any other server
     python benchmarks/bench_serving.py --dataset random --num-prompts 200 --tokenizer tiny
