@@ -535,6 +535,16 @@ def test_nixl_moves_device_memory(pair, ckpt):
     want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert [pd.out[k]["tokens"] for k in keys] == want
     pd.run_until(pd.idle)
+    # a 10-page decode pool: requests preempted there recompute on the GPU (CUDA graphs, overlap)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    pd = pair(prefill=gpu, decode={**gpu, "max_total_tokens": 40})
+    for i, p in enumerate(PROMPTS[:4]):
+        pd.submit(f"s{i}", p[:9], params)
+    pd.run_until(pd.done(*[f"d:s{i}" for i in range(4)]), timeout=120)
+    want = [o.token_ids for o in llm.generate([p[:9] for p in PROMPTS[:4]], params, use_tqdm=False)]
+    assert [pd.out[f"d:s{i}"]["tokens"] for i in range(4)] == want
+    assert pd.d.engine.scheduler.num_preemptions > 0
+    pd.run_until(pd.idle)
 
 
 def test_a_prefill_restart_mid_transfer_fails_the_request_cleanly(pair):
