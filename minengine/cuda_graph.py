@@ -8,9 +8,13 @@ static logits buffer; sampling stays eager (per-request parameters and generator
 
 Graphs are captured at start-up, largest bucket first, into one memory pool. With
 ``use_graphs=False`` the same padded path runs eagerly; that is how CPU tests check the padding.
+A backend that plans on the host (flashinfer) is told the bucket and the real batch around each
+capture and replay (``KernelSet.graph_bucket``): it plans there, outside the graph.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from tqdm import tqdm
@@ -71,17 +75,25 @@ class DecodeGraphs:
             logits_indices=self.rows[:b],
         )
 
+    def _bucket(self, b: int, fb: ForwardBatch | None = None) -> contextlib.AbstractContextManager:
+        """The backend's plan for bucket ``b`` of batch ``fb`` (None: a capture), where it has one."""
+        if self.kernels.graph_bucket is None:
+            return contextlib.nullcontext()
+        metadata = None if fb is None else (fb.block_tables, fb.seq_lens, fb.cu_seqlens_q)
+        return self.kernels.graph_bucket(b, self.block_tables, metadata)
+
     def _capture_all(self) -> None:
         mempool = torch.cuda.graph_pool_handle()
         self._fill_padding(0, self.buckets[-1])  # capture with nothing to read or write in the KV cache
         for b in tqdm(list(reversed(self.buckets)), desc="capturing CUDA graphs"):
             fb = self._static_batch(b)
-            for _ in range(2):  # compile the kernels for this shape outside the graph
-                self.model(fb, self.pool.layers, self.kernels)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                logits = self.model(fb, self.pool.layers, self.kernels)
+            with self._bucket(b):
+                for _ in range(2):  # compile the kernels for this shape (and plan) outside the graph
+                    self.model(fb, self.pool.layers, self.kernels)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool):
+                    logits = self.model(fb, self.pool.layers, self.kernels)
             self.graphs[b] = (graph, logits)
         torch.cuda.synchronize()
 
@@ -103,8 +115,9 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(fb.seq_lens)
         self.cu_seqlens_q[: bs + 1].copy_(fb.cu_seqlens_q)
         self._fill_padding(bs, b)
-        if b in self.graphs:
-            graph, logits = self.graphs[b]
-            graph.replay()
-            return logits[:bs]
-        return self.model(self._static_batch(b), self.pool.layers, self.kernels)[:bs]
+        with self._bucket(b, fb):
+            if b in self.graphs:
+                graph, logits = self.graphs[b]
+                graph.replay()
+                return logits[:bs]
+            return self.model(self._static_batch(b), self.pool.layers, self.kernels)[:bs]

@@ -14,6 +14,7 @@ from minengine.cuda_graph import DecodeGraphs
 from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory import KVPool, PageTable
 from minengine.models import load_model, load_model_config, load_tokenizer
+from minengine.ops import flashinfer_ref
 from minengine.profiling import step_range
 from minengine.request import Request
 from minengine.runner import Launched, ModelRunner
@@ -24,7 +25,9 @@ from minengine.scheduler.prefill_delayer import DelayerConfig, PrefillDelayer
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
-GRAPH_SAFE = ("triton", "cuda", "tuned")  # attention backends with no host sync inside (capturable)
+# attention backends a decode step can be captured with: no host work inside, or (flashinfer) planned
+# on the host around each capture and replay (KernelSet.graph_bucket)
+GRAPH_SAFE = ("triton", "cuda", "tuned", "flashinfer")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,7 +87,7 @@ class Engine:
         dummy = config.load_format == "dummy"
         self.model = load_model(config.model, mc, self.context_length, self.device, self.dtype, dummy)
         kernels = ops.get_kernels(config.attention_backend, self.device)
-        backend = ops.resolve_backend(config.attention_backend, self.device)
+        self.backend = backend = ops.resolve_backend(config.attention_backend, self.device)
         self.use_cuda_graphs = self.device.type == "cuda" and not config.disable_cuda_graph and backend in GRAPH_SAFE
 
         ps = config.page_size
@@ -115,7 +118,7 @@ class Engine:
         )
         self.sampler = Sampler(self.device, config.seed)
         self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
-        if self.use_cuda_graphs:  # only backends that never sync with the host can be captured
+        if self.use_cuda_graphs:
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
             self.runner.graphs = DecodeGraphs(self.model, pool, kernels, max_bs, page_table.table.shape[1], True)
         self.overlap = not config.disable_overlap_schedule
@@ -153,6 +156,9 @@ class Engine:
         if self.use_cuda_graphs:  # each captured bucket keeps its float32 logits
             max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
             budget -= DecodeGraphs.logits_rows(max_bs) * mc.vocab_size * 4
+            if self.backend == "flashinfer":  # its graph wrappers' workspaces and page-layout buffers
+                buckets = len(DecodeGraphs.buckets_up_to(max_bs))
+                budget -= flashinfer_ref.graph_bytes(buckets, max_bs, -(-self.context_length // page_size))
         per_page = KVPool.bytes_per_page(mc.num_layers, page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         if budget < per_page:
             raise ValueError(

@@ -1,13 +1,17 @@
 """The ``flashinfer`` backend's own logic on CPU, with FlashInfer replaced by a stand-in that has the
 wrappers' plan/run signatures and computes what FlashInfer computes from the CSR page layout
 (float64 torch): our metadata -> (indptr, indices, last_page_len), decode vs prefill wrapper,
-one plan per forward step, planning from the runner's staged host metadata, padding rows. The
-real FlashInfer runs in the GPU tests (``test_gpu_kernels.py::test_agrees_with_flashinfer``,
-``test_backend_logits.py::test_backend_logits_gpu``).
+one plan per forward step, planning from the runner's staged host metadata, padding rows, and
+CUDA-graph decode buckets (FlashInfer's graph mode: fixed batch size, the plan in fixed buffers
+that the kernels read at replay) with capture and replay emulated: a replay re-runs the model with
+every plan forbidden, as a real replay runs only the kernels. The real FlashInfer runs in the GPU
+tests (``test_gpu_kernels.py::test_agrees_with_flashinfer``,
+``test_backend_logits.py::test_backend_logits_gpu``, ``test_cuda_graph.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import types
@@ -16,6 +20,7 @@ import pytest
 import torch
 
 from minengine import LLM, SamplingParams
+from minengine.cuda_graph import DecodeGraphs
 from minengine.ops import HostMetadata, flashinfer_ref, reference
 from minengine.ops.testing import make_paged_batch, relative_error
 
@@ -40,29 +45,50 @@ class _Wrapper:
     scale = 1.0
     plans: list[str] = []
     runs = 0
+    frozen = False  # inside an emulated capture or replay: no plan may be made
 
-    def __init__(self, workspace, layout, use_tensor_cores=False):
+    def __init__(self, workspace, layout, use_tensor_cores=False, use_cuda_graph=False, **buffers):
         assert workspace.dtype == torch.uint8 and layout == "NHD" and not workspace.any()  # zeroed
-        self.tensor_cores = use_tensor_cores
+        self.tensor_cores, self.graph = use_tensor_cores, use_cuda_graph
+        if use_cuda_graph:  # FlashInfer's checks: the buffers fix the batch size
+            self.buffers = [buffers[f"paged_kv_{n}_buffer"] for n in ("indptr", "indices", "last_page_len")]
+            assert all(isinstance(t, torch.Tensor) and t.dtype == torch.int32 for t in self.buffers)
+            assert len(self.buffers[0]) == len(self.buffers[2]) + 1
+        else:
+            assert not buffers
 
     def _plan(self, qo_indptr, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale):
-        for t in (qo_indptr, indptr, indices, last):  # indices may live on the GPU: plan only moves it there
+        assert not _Wrapper.frozen, "a plan inside a CUDA-graph capture or replay"
+        for t in (qo_indptr, indptr, last):
             assert t.dtype == torch.int32 and t.device.type == "cpu"  # host: plan reads them there
+        assert indices.dtype == torch.int32  # may live on the GPU: plan only moves it there
         if isinstance(self, BatchDecodeWithPagedKVCacheWrapper) and not self.tensor_cores:
             assert num_qo_heads // num_kv_heads in (1, 2, 3, 4, 6, 8), "FlashInfer's CUDA-core decode"
-        self.qo, self.indptr, self.indices, self.last = qo_indptr.tolist(), indptr.tolist(), indices.tolist(), last
+        if self.graph:  # the plan goes into the fixed buffers, which the kernels read when they run
+            assert len(last) == len(self.buffers[2]), "FlashInfer: the batch size is fixed in cudagraph mode"
+            assert len(indices) <= len(self.buffers[1])
+            self.buffers[0].copy_(indptr)
+            self.buffers[2].copy_(last)
+            self.buffers[1][: len(indices)].copy_(indices)
+        else:
+            self.indptr, self.indices, self.last = indptr.tolist(), indices.tolist(), last
+        self.qo = qo_indptr.tolist()
         self.heads, self.page_size = (num_qo_heads, num_kv_heads, head_dim), page_size
         _Wrapper.scale = sm_scale
-        _Wrapper.plans.append(type(self).__name__)
+        _Wrapper.plans.append(type(self).__name__ + (" (graph)" if self.graph else ""))
 
     def run(self, q, paged_kv_cache):
         _Wrapper.runs += 1
         k_cache, v_cache = paged_kv_cache
         assert q.shape[0] == self.qo[-1] and tuple(q.shape[1:]) == (self.heads[0], self.heads[2])
+        if self.graph:
+            indptr, indices, last = (t.tolist() for t in self.buffers)
+        else:
+            indptr, indices, last = self.indptr, self.indices, self.last
         out = torch.empty(q.shape, dtype=torch.float64)
         for b in range(len(self.qo) - 1):
-            pages = self.indices[self.indptr[b] : self.indptr[b + 1]]
-            length = (len(pages) - 1) * self.page_size + int(self.last[b]) if pages else 0
+            pages = indices[indptr[b] : indptr[b + 1]]
+            length = (len(pages) - 1) * self.page_size + int(last[b]) if pages else 0
             k = k_cache[pages].flatten(0, 1)[:length].double()
             v = v_cache[pages].flatten(0, 1)[:length].double()
             lo, hi = self.qo[b], self.qo[b + 1]
@@ -104,7 +130,7 @@ def fake_flashinfer(monkeypatch):
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(flashinfer_ref, "available", lambda: True)
-    _Wrapper.plans, _Wrapper.runs = [], 0
+    _Wrapper.plans, _Wrapper.runs, _Wrapper.frozen = [], 0, False
     return module
 
 
@@ -283,3 +309,129 @@ def test_engine_runs_on_the_flashinfer_backend(overlap, fake_flashinfer, monkeyp
     layers = llm.engine.model_config.num_layers
     assert layers > 1 and 0 < backend.plans == backend.host_plans == len(_Wrapper.plans)
     assert _Wrapper.runs == backend.plans * layers  # each step's plan serves all its layers
+
+
+def _padded_decode(batch, bucket: int, table_rows: int):
+    """What the graph runner passes the model for ``batch`` (decodes) in ``bucket``: its static
+    tensors with the batch in the first rows and padding sequences (q_len 0, seq_len 0) after."""
+    q, k, v, tables, lens, cu, _ = batch.args()
+    static = torch.zeros(table_rows, tables.shape[1] + 1, dtype=torch.int32)
+    static[: len(lens), : tables.shape[1]] = tables
+    n = len(lens)
+    seq_lens = torch.cat([lens, torch.zeros(bucket - n, dtype=torch.int32)])
+    cu_q = torch.cat([cu, torch.full((bucket - n,), n, dtype=torch.int32)])
+    return static, (q[:bucket], k, v, static[:bucket], seq_lens, cu_q, 1)
+
+
+def test_graph_bucket_plans_outside_the_graph_with_padding_in_page_0(fake_flashinfer):
+    """A decode batch of 3 in the graph bucket of 5: the bucket's own wrapper in FlashInfer's graph
+    mode is planned with the 3 sequences (from the staged host metadata) and 2 padding sequences of
+    one key in page 0; calls inside run it without planning, and once the bucket has been planned
+    each entry plans (a replay runs no Python)."""
+    page = 4
+    batch = make_paged_batch([1, 1, 1], [10, 3, 17], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=page,
+                             dtype=torch.float32, num_tokens=5)  # fmt: skip
+    _, _, _, tables, lens, cu, _ = batch.args()
+    static, args = _padded_decode(batch, 5, table_rows=8)
+    backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+    backend.stage(tables, lens, cu, host_metadata(batch))
+    want = reference.paged_attention(*batch.to_float64())
+    with backend.graph_bucket(5, static, (tables, lens, cu)):
+        assert backend.graph_plans == 0  # the bucket's plan key is learnt at its first call
+        first = backend(*args)
+        second = backend(*args)
+    assert (backend.plans, backend.graph_plans, backend.host_plans) == (1, 1, 1)
+    assert _Wrapper.plans == ["BatchDecodeWithPagedKVCacheWrapper (graph)"] and _Wrapper.runs == 2
+    for out in (first, second):
+        assert out.shape[0] == 5 and relative_error(out[:3], want[:3]) < 1e-5
+    indptr, indices, last = (t.tolist() for t in backend._graph_wrappers[5].buffers)
+    assert indptr == [0, 3, 4, 9, 10, 11] and last == [2, 3, 1, 1, 1] and indices[9:11] == [0, 0]
+    assert indices[:9] == tables[0, :3].tolist() + tables[1, :1].tolist() + tables[2, :5].tolist()
+
+    with backend.graph_bucket(5, static, (tables, lens, cu)):  # planned on entry: a replay may follow
+        assert backend.graph_plans == 2
+        _Wrapper.frozen = True
+        try:
+            assert relative_error(backend(*args)[:3], want[:3]) < 1e-5
+        finally:
+            _Wrapper.frozen = False
+        with pytest.raises(ValueError, match="4 query rows in graph bucket 5; allowed: 5"):
+            backend(args[0][:4], *args[1:3], static[:4], args[4][:4], args[5][:5], 1)
+        with pytest.raises(RuntimeError, match="entered twice"), backend.graph_bucket(5, static, None):
+            pass
+    assert backend._graph is None
+
+    with backend.graph_bucket(2, static, None):  # a capture: every sequence is padding
+        backend(args[0][:2], *args[1:3], static[:2], torch.zeros(2, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), 1)
+    indptr, _, last = (t.tolist() for t in backend._graph_wrappers[2].buffers)
+    assert indptr == [0, 1, 2] and last == [1, 1]
+    assert backend.host_plans == 2  # a capture plans from nothing staged, and reads nothing back
+
+    out = backend(*batch.args())  # outside: the eager wrapper, planned as before
+    assert _Wrapper.plans[-1] == "BatchDecodeWithPagedKVCacheWrapper"
+    assert relative_error(out[:3], want[:3]) < 1e-5 and not out[3:].any()
+
+    prefill = make_paged_batch([2, 1], [10, 3], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=page,
+                               dtype=torch.float32)  # fmt: skip
+    with pytest.raises(ValueError, match=r"graph bucket 5 got query lengths \[2, 1\]; allowed: at most 5 sequences"):
+        with backend.graph_bucket(5, static, prefill.args()[3:6]):
+            pass
+    with pytest.raises(ValueError, match=r"bucket 9; allowed: 1\.\.8"), backend.graph_bucket(9, static, None):
+        pass
+
+
+class _FakeGraph:
+    """torch.cuda.CUDAGraph on CPU: a replay re-runs the captured model call (``fn``, bound after the
+    capture) into the captured logits with every plan forbidden, as a real replay runs only kernels."""
+
+    def replay(self):
+        _Wrapper.frozen = True
+        try:
+            with torch.inference_mode():  # the logits of a capture made in it
+                self.logits.copy_(self.fn())
+        finally:
+            _Wrapper.frozen = False
+
+
+@contextlib.contextmanager
+def _fake_capture(graph, pool=None):
+    _Wrapper.frozen = True
+    try:
+        yield
+    finally:
+        _Wrapper.frozen = False
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_engine_decode_graphs_on_the_flashinfer_backend(overlap, fake_flashinfer, monkeypatch):
+    """Decode steps through captured buckets on the flashinfer backend (capture and replay emulated):
+    greedy tokens as with the torch backend; every bucket planned by a warm-up run before its
+    capture, and before every replay from the runner's staged host metadata; no plan inside a
+    capture or replay; padded buckets among them."""
+    prompts = [[5, 9, 2, 7, 1, 3], [8, 8, 4], list(range(10, 30)), [3] * 9, [7, 1], [2, 4, 6, 8, 10]]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    config = dict(device="cpu", dtype="float32", page_size=4, chunked_prefill_size=16,
+                  disable_overlap_schedule=not overlap)  # fmt: skip
+    want = [o.token_ids for o in LLM("tiny", attention_backend="torch", **config).generate(prompts, params)]
+    llm = LLM("tiny", attention_backend="flashinfer", **config)
+    eng = llm.engine
+    kernels = eng.runner.kernels
+    for name, fake in (("CUDAGraph", _FakeGraph), ("graph", _fake_capture), ("graph_pool_handle", lambda: None),
+                       ("synchronize", lambda *a: None)):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, fake)
+    graphs = DecodeGraphs(eng.model, eng.runner.pool, kernels, 4, eng.runner.page_table.table.shape[1], True)
+    assert sorted(graphs.graphs) == [1, 2, 4]
+    for b, (graph, logits) in graphs.graphs.items():
+        static = graphs._static_batch(b)
+        graph.fn, graph.logits = (lambda s=static: eng.model(s, eng.runner.pool.layers, kernels)), logits
+    backend = kernels.paged_attention
+    assert backend.graph_plans == 3 and backend.host_plans == 0  # one warm-up plan per capture
+    eng.runner.graphs = graphs
+    used = []
+    real = graphs.run
+    graphs.run = lambda fb: used.append(fb.input_ids.shape[0]) or real(fb)
+    monkeypatch.setattr(flashinfer_ref, "csr_pages", lambda *a: pytest.fail("read the device metadata back"))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert used and any(graphs.bucket(n) != n for n in used)  # some replays were padded
+    assert backend.graph_plans == 3 + len(used)  # one plan per replay
+    assert backend.host_plans == backend.plans - 3  # all but the captures' from staged host metadata

@@ -6,7 +6,8 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
 - ``triton``: ``triton_kernels`` (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 - ``cuda``: the CUDA C++ kernels of ``minengine._C`` (GPU; built when nvcc is found);
 - ``flashinfer``: FlashInfer's paged attention behind our contract, planned once per forward
-  step from the runner's host copy of the metadata (GPU, optional import);
+  step from the runner's host copy of the metadata, outside the graph for CUDA-graph decode
+  steps (GPU, optional import);
 - ``auto``: on CUDA, ``triton``, ``cuda`` or ``cuda-wgmma`` (the cuda kernel with Hopper wgmma
   prefill tiles) chosen per call shape from the device's committed
   tuning table (``tuning.py``; backend name ``tuned``), or ``triton`` where the device has none
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,6 +45,10 @@ class KernelSet(NamedTuple):
     # stage(block_tables, seq_lens, cu_seqlens_q, host): the runner hands over the host copy of the
     # metadata tensors the next paged_attention calls pass (None: the backend needs none)
     stage: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, HostMetadata], None] | None = None
+    # graph_bucket(bucket, static_block_tables, metadata or None): a context around a CUDA-graph
+    # capture (None) or replay of a padded decode bucket in which the backend plans outside the
+    # graph (None: it plans nothing; see cuda_graph.py)
+    graph_bucket: Callable[[int, torch.Tensor, tuple | None], AbstractContextManager] | None = None
 
 
 def _torch_kernels() -> KernelSet:
@@ -72,7 +78,9 @@ def _flashinfer_kernels() -> KernelSet:
     if not flashinfer_ref.available():
         raise RuntimeError("the flashinfer backend needs flashinfer-python and a CUDA GPU")
     backend = flashinfer_ref.FlashInferBackend()
-    return KernelSet(backend, triton_kernels.store_kv, triton_kernels.gather_input_ids, backend.stage)
+    return KernelSet(
+        backend, triton_kernels.store_kv, triton_kernels.gather_input_ids, backend.stage, backend.graph_bucket
+    )
 
 
 def _tuning_table(device: torch.device) -> dict[str, str] | None:

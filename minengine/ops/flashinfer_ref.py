@@ -13,7 +13,12 @@ stages the host lists it built ``seq_lens`` and ``cu_seqlens_q`` from (``stage``
 those, and the page indices are gathered from ``block_tables`` on the device (their count is known
 on the host), so nothing is read back, no per-page work is done in Python, and the step stays
 asynchronous (overlap scheduling works). Metadata nobody staged is copied back instead (a sync).
-It runs eagerly: the engine captures CUDA graphs only for backends without host work.
+Decode steps also run under CUDA graphs, as in vLLM and SGLang: each captured batch-size bucket has
+its own decode wrapper in FlashInfer's CUDA-graph mode (fixed batch size, page layout in fixed
+device buffers shared by the buckets), and ``graph_bucket`` plans it outside the graph before the
+capture and before every replay; the graph replays only the kernels, which read the plan from
+those buffers and the wrapper's workspace. Padding sequences of a bucket are planned as one key in
+page 0 (FlashInfer's decode wants a key per sequence); their rows are discarded by the graph runner.
 
 FlashInfer's plan writes its schedule into one pinned host buffer per wrapper and copies it to
 the device asynchronously; a plan made while the previous plan's copy is still queued (overlap
@@ -24,10 +29,12 @@ device has almost always executed by then.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -40,6 +47,14 @@ WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV pa
 # checks: one int32 per key of the batch, one per sequence.
 PREFILL_MAX_KV_TOKENS = 16 * 1024 * 1024
 PREFILL_MAX_SEQS = 32768
+WRAPPER_INT_WORKSPACE_BYTES = 8 * 1024 * 1024  # what each FlashInfer wrapper allocates for its plan
+
+
+def graph_bytes(num_buckets: int, max_bs: int, max_pages_per_request: int) -> int:
+    """Device memory the CUDA-graph decode wrappers take: a plan workspace per bucket, and the page
+    layout buffers they share (int32 indptr, last_page_len, and indices for every page of the
+    largest bucket)."""
+    return num_buckets * WRAPPER_INT_WORKSPACE_BYTES + 4 * (2 * max_bs + 1 + max_bs * max_pages_per_request)
 
 
 @functools.cache
@@ -127,6 +142,14 @@ class FlashInferBackend:
         self._planned = None  # CUDA event recorded after the last plan's host-to-device copies
         self.host_plans = 0  # plans made from staged host metadata (no device read)
         self._warned = False
+        # CUDA graphs: a decode wrapper per bucket, the page-layout buffers they share, each bucket's
+        # plan key, and while inside graph_bucket: (bucket, metadata or None) and whether it is planned
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._graph_keys: dict[int, tuple] = {}
+        self._graph: tuple[int, tuple | None] | None = None
+        self._graph_planned = False
+        self.graph_plans = 0  # plans of CUDA-graph buckets
 
     def _wrapper_for(self, kind: str, group: int, device: torch.device):
         """The decode wrapper (on tensor cores for GQA groups above 4, as vLLM does: FlashInfer's
@@ -144,6 +167,20 @@ class FlashInferBackend:
                     self.workspace, "NHD", use_tensor_cores=group > 4
                 )
             return self.wrappers[key]
+        if kind == "graph":  # one per bucket, in CUDA-graph mode: its batch size is that of its buffers
+            bucket = self._graph[0]
+            if bucket not in self._graph_wrappers:
+                indptr, indices, last = self._graph_buffers
+                self._graph_wrappers[bucket] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace,
+                    "NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=group > 4,
+                    paged_kv_indptr_buffer=indptr[: bucket + 1],
+                    paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last[:bucket],
+                )
+            return self._graph_wrappers[bucket]
         if "prefill" not in self.wrappers:
             self.wrappers["prefill"] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         return self.wrappers["prefill"]
@@ -174,6 +211,35 @@ class FlashInferBackend:
             self._warned = True
         self._staged = (refs, host) if refs else None
 
+    @staticmethod
+    def _plan_key(q: torch.Tensor, k_cache: torch.Tensor, softmax_scale: float | None) -> tuple:
+        """What a plan depends on besides the batch: (device, q dtype, kv dtype, page size, kv heads,
+        head dim, q heads, scale)."""
+        _, page_size, hkv, d = k_cache.shape
+        scale = softmax_scale if softmax_scale is not None else d**-0.5
+        return (q.device, q.dtype, k_cache.dtype, page_size, hkv, d, q.shape[1], scale)
+
+    def _staged_for(self, metadata: tuple[torch.Tensor, ...]) -> HostMetadata | None:
+        if self._staged is not None and self._same(metadata, self._staged[0]):
+            return self._staged[1]
+        return None
+
+    def _planning(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """Around a plan on a GPU: wait for the last plan's copies (they read pinned buffers this plan
+        rewrites), and record when this plan's copies are done."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._planned is None:
+            self._planned = torch.cuda.Event()
+        self._planned.synchronize()
+
+        @contextlib.contextmanager
+        def record() -> Iterator[None]:
+            yield
+            self._planned.record(torch.cuda.current_stream(device))
+
+        return record()
+
     def plan(
         self,
         q: torch.Tensor,
@@ -185,16 +251,14 @@ class FlashInferBackend:
     ) -> None:
         """Plan for this batch unless the current plan is for it already: from the staged host
         metadata when it is for these tensors, else from the tensors read back (a device sync)."""
-        _, page_size, hkv, d = k_cache.shape
-        hq = q.shape[1]
-        scale = softmax_scale if softmax_scale is not None else d**-0.5
-        key = (q.device, q.dtype, k_cache.dtype, page_size, hkv, d, hq, scale)
+        key = self._plan_key(q, k_cache, softmax_scale)
+        _, _, _, page_size, hkv, d, hq, scale = key
         metadata = (block_tables, seq_lens, cu_seqlens_q)
         if key == self._key and self._same(metadata, self._metadata):
             return
         pin = q.device.type == "cuda"
-        if self._staged is not None and self._same(metadata, self._staged[0]):
-            host = self._staged[1]
+        host = self._staged_for(metadata)
+        if host is not None:
             cu, lens = host.cu_seqlens_q, host.seq_lens
             indptr, indices, last = csr_from_host(host, block_tables, page_size)  # indices: on the device
             indptr, last = _host_int32(indptr, pin), _host_int32(last, pin)
@@ -211,17 +275,12 @@ class FlashInferBackend:
             )
         wrapper = self._wrapper_for("decode" if decode_only else "prefill", hq // hkv, q.device)
         common = dict(sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        if pin:
-            if self._planned is None:
-                self._planned = torch.cuda.Event()
-            self._planned.synchronize()  # the last plan's copies have read its pinned buffers
-        if decode_only:
-            wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, **common)
-        else:  # seq_lens pinned: its copy inside plan is asynchronous too
-            qo, kv_lens = _host_int32(cu, pin), _host_int32(lens, pin)
-            wrapper.plan(qo, indptr, indices, last, hq, hkv, d, page_size, causal=True, seq_lens=kv_lens, **common)
-        if pin:
-            self._planned.record(torch.cuda.current_stream(q.device))
+        with self._planning(q.device):
+            if decode_only:
+                wrapper.plan(indptr, indices, last, hq, hkv, d, page_size, **common)
+            else:  # seq_lens pinned: its copy inside plan is asynchronous too
+                qo, kv_lens = _host_int32(cu, pin), _host_int32(lens, pin)
+                wrapper.plan(qo, indptr, indices, last, hq, hkv, d, page_size, causal=True, seq_lens=kv_lens, **common)
         self._wrapper, self._rows = wrapper, cu[-1]
         self._metadata = self._refs(metadata)
         self._key = key if self._metadata else None
@@ -252,12 +311,103 @@ class FlashInferBackend:
         from triton_kernels.contract import check_paged_attention
 
         check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
-        self.plan(q, k_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale)
-        result = self.run(q, k_cache, v_cache)
+        if self._graph is not None:
+            result = self._graph_run(q, k_cache, v_cache, softmax_scale)
+        else:
+            self.plan(q, k_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale)
+            result = self.run(q, k_cache, v_cache)
         if out is None:
             return result
         out.copy_(result)
         return out
+
+    # --- CUDA graphs ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def graph_bucket(
+        self, bucket: int, block_tables: torch.Tensor, metadata: tuple[torch.Tensor, ...] | None
+    ) -> Iterator[None]:
+        """Inside, every call runs the CUDA-graph decode wrapper of ``bucket`` (a decode batch padded to
+        ``bucket`` rows) with no plan of its own. ``block_tables`` is the graph runner's static table
+        (rows: the largest bucket; columns: pages per request), which sizes the shared buffers;
+        ``metadata`` (block_tables, seq_lens, cu_seqlens_q) is the real decode batch, its first rows
+        (None: a capture, every row padding). The plan is made on entry when the bucket was planned
+        before, else at the first call (a capture's warm-up run, outside the graph). A graph replays
+        the plan its bucket has at that moment: enter this before each replay."""
+        if self._graph is not None:
+            raise RuntimeError("flashinfer: graph_bucket entered twice")
+        rows, max_pages = block_tables.shape
+        if not 1 <= bucket <= rows:
+            raise ValueError(f"flashinfer: bucket {bucket}; allowed: 1..{rows} (rows of the graph runner's table)")
+        if self._graph_buffers is None:
+            device = block_tables.device
+            self._graph_buffers = (
+                torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                torch.zeros(rows * max_pages, dtype=torch.int32, device=device),
+                torch.zeros(rows, dtype=torch.int32, device=device),
+            )
+        elif self._graph_buffers[1].numel() != rows * max_pages or self._graph_buffers[2].numel() != rows:
+            raise RuntimeError(f"flashinfer: graph buckets of a {rows} x {max_pages} table after another's")
+        self._graph, self._graph_planned = (bucket, metadata), False
+        try:
+            if bucket in self._graph_keys:
+                self._plan_graph(self._graph_keys[bucket])
+            yield
+        finally:
+            self._graph = None
+
+    def _graph_run(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softmax_scale: float | None
+    ) -> torch.Tensor:
+        bucket = self._graph[0]
+        key = self._plan_key(q, k_cache, softmax_scale)
+        if q.shape[0] != bucket:
+            raise ValueError(f"flashinfer: {q.shape[0]} query rows in graph bucket {bucket}; allowed: {bucket}")
+        if not self._graph_planned:
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"flashinfer: graph bucket {bucket} captured before a warm-up run planned it")
+            self._plan_graph(key)
+        elif key != self._graph_keys[bucket]:
+            raise ValueError(f"flashinfer: graph bucket {bucket} was planned for {self._graph_keys[bucket]}, not {key}")
+        return self._graph_wrappers[bucket].run(q, (k_cache, v_cache))
+
+    def _plan_graph(self, key: tuple) -> None:
+        """Plan the current bucket's wrapper: the real sequences of the metadata (from its staged host
+        copy, else read back), then padding sequences of one key in page 0 up to the bucket."""
+        device, q_dtype, kv_dtype, page_size, hkv, d, hq, scale = key
+        bucket, metadata = self._graph
+        lens, cu = [], [0]
+        if metadata is not None:
+            host = self._staged_for(metadata)
+            if host is not None:
+                lens, cu = host.seq_lens, host.cu_seqlens_q
+                self.host_plans += 1
+            else:  # not staged: read the metadata back (a sync)
+                lens, cu = metadata[1].tolist(), metadata[2].tolist()
+            if cu != list(range(len(lens) + 1)) or len(lens) > bucket:
+                q_lens = [b - a for a, b in itertools.pairwise(cu)]
+                raise ValueError(
+                    f"flashinfer: graph bucket {bucket} got query lengths {q_lens}; "
+                    f"allowed: at most {bucket} sequences of one query token"
+                )
+        indptr, indices, last = [0], None, []
+        if lens:
+            indptr, indices, last = csr_from_host(HostMetadata(lens, cu), metadata[0], page_size)
+        pad = bucket - len(lens)
+        indptr = indptr + [indptr[-1] + i for i in range(1, pad + 1)]
+        last = last + [1] * pad
+        zeros = torch.zeros(pad, dtype=torch.int32, device=device)
+        indices = zeros if indices is None else torch.cat([indices, zeros])
+        wrapper = self._wrapper_for("graph", hq // hkv, device)
+        pin = device.type == "cuda"
+        with self._planning(device):
+            wrapper.plan(
+                _host_int32(indptr, pin), indices, _host_int32(last, pin), hq, hkv, d, page_size,
+                sm_scale=scale, q_data_type=q_dtype, kv_data_type=kv_dtype,
+            )  # fmt: skip
+        self._graph_keys[bucket], self._graph_planned = key, True
+        self.plans += 1
+        self.graph_plans += 1
 
 
 class FlashInferPagedAttention:
