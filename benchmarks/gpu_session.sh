@@ -112,6 +112,12 @@ case $PHASE in
     ;;
   serving)
     [ $# -eq 0 ] && set -- backends overlap chunk delayer
+    case " $* " in  # FlashInfer inside the engine is measured: first check it there (the tests phase skips it)
+      *" backends "* | *" backends-eager "*)
+        # shellcheck disable=SC2086
+        step pytest_flashinfer python3 -m pytest -q $PYTEST_TIMEOUT -m gpu -k flashinfer \
+          tests/test_gpu_kernels.py tests/test_backend_logits.py tests/test_cuda_graph.py ;;
+    esac
     for group in "$@"; do
       step "ablations_$group" env RESULTS_DIR="$WORK/results" bash benchmarks/run_ablations.sh "$group"
     done
