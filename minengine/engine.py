@@ -153,12 +153,15 @@ class Engine:
         # memory torch's caching allocator holds but no tensor uses (an engine shut down before) is free
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         budget = int(total * cfg.mem_fraction_static) - (total - free)
-        if self.use_cuda_graphs:  # each captured bucket keeps its float32 logits
-            max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        max_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+        buckets = DecodeGraphs.buckets_up_to(max_bs) if self.use_cuda_graphs else []
+        if buckets:  # each captured bucket keeps its float32 logits
             budget -= DecodeGraphs.logits_rows(max_bs) * mc.vocab_size * 4
-            if self.backend == "flashinfer":  # its graph wrappers' workspaces and page-layout buffers
-                buckets = len(DecodeGraphs.buckets_up_to(max_bs))
-                budget -= flashinfer_ref.graph_bytes(buckets, max_bs, -(-self.context_length // page_size))
+        if self.backend == "flashinfer":  # its workspaces and fixed buffers, eager and per graph bucket
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            max_pages = -(-self.context_length // page_size)
+            heads = (mc.num_heads, mc.num_kv_heads, mc.head_dim)
+            budget -= flashinfer_ref.device_bytes(*heads, num_sms, buckets, max_pages)
         per_page = KVPool.bytes_per_page(mc.num_layers, page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         if budget < per_page:
             raise ValueError(

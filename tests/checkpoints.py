@@ -49,9 +49,17 @@ def build_tokenizer(path: Path, vocab_size: int = 400) -> int:
     return tok.get_vocab_size()
 
 
-def build_checkpoint(path: Path, arch: str, seed: int = 0, shard: bool = False, hidden_size: int = 128) -> Path:
+def build_checkpoint(
+    path: Path,
+    arch: str,
+    seed: int = 0,
+    shard: bool = False,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+) -> Path:
     """A 2-layer float32 checkpoint of ``arch`` (llama | qwen2 | qwen3) with a trained tokenizer;
-    4 query and 2 KV heads of head dim hidden_size / 4 (qwen3: 32)."""
+    ``num_heads`` query and ``num_kv_heads`` KV heads of head dim hidden_size / num_heads (qwen3: 32)."""
     import transformers
 
     vocab = build_tokenizer(path)
@@ -60,8 +68,8 @@ def build_checkpoint(path: Path, arch: str, seed: int = 0, shard: bool = False, 
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         bos_token_id=0,
         eos_token_id=1,

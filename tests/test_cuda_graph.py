@@ -57,8 +57,16 @@ def test_cuda_graphs_match_eager_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [True, False])
-def test_flashinfer_decode_graphs_match_its_eager_run_on_gpu(overlap, tmp_path):
+@pytest.mark.parametrize(
+    "heads, max_bs, copies, overlap",
+    [
+        ((4, 2), 32, 5, True),
+        ((4, 2), 32, 5, False),
+        ((8, 1), 32, 5, True),  # group 8: FlashInfer's tensor-core decode (its prefill scheduler)
+        ((8, 8), 512, 60, True),  # buckets up to 448 x 8 KV heads: past the CUDA-core decode's split-KV grid
+    ],
+)
+def test_flashinfer_decode_graphs_match_its_eager_run_on_gpu(heads, max_bs, copies, overlap, tmp_path):
     """The flashinfer backend under CUDA graphs: every replayed decode step's logits against the same
     step run eagerly (FlashInfer's eager decode wrapper, planned for the real batch), padded buckets
     among them. Graph and eager plans may split the keys differently, so logits are compared with a
@@ -70,9 +78,11 @@ def test_flashinfer_decode_graphs_match_its_eager_run_on_gpu(overlap, tmp_path):
 
     if not flashinfer_ref.available():
         pytest.skip("flashinfer is not installed")
-    model = build_checkpoint(tmp_path / "llama64", "llama", hidden_size=256)
+    num_heads, num_kv_heads = heads
+    model = build_checkpoint(tmp_path / "llama64", "llama", hidden_size=64 * num_heads, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads)  # fmt: skip
     llm = LLM(str(model), device="cuda", dtype="float16", page_size=16, attention_backend="flashinfer",
-              cuda_graph_max_bs=32, disable_overlap_schedule=not overlap)  # fmt: skip
+              cuda_graph_max_bs=max_bs, max_running_requests=max_bs, disable_overlap_schedule=not overlap)  # fmt: skip
     eng = llm.engine
     graphs = eng.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == graphs.buckets  # captured
@@ -86,10 +96,11 @@ def test_flashinfer_decode_graphs_match_its_eager_run_on_gpu(overlap, tmp_path):
         return logits
 
     graphs.run = run
-    outputs = llm.generate(PROMPTS * 5, PARAMS * 5, use_tqdm=False)
+    outputs = llm.generate(PROMPTS * copies, PARAMS * copies, use_tqdm=False)
     torch.cuda.synchronize()
-    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in PARAMS * 5]
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in PARAMS * copies]
     assert checked and any(graphs.bucket(n) != n for n, _ in checked)  # padded buckets too
+    assert max(n for n, _ in checked) > min(max_bs, 7 * copies) // 2  # the wide buckets ran
     worst = max(err for _, err in checked)
     assert worst < 1e-2, checked
     backend = eng.runner.kernels.paged_attention

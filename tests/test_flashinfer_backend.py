@@ -383,9 +383,12 @@ def test_graph_bucket_plans_outside_the_graph_with_padding_in_page_0(fake_flashi
 
 class _FakeGraph:
     """torch.cuda.CUDAGraph on CPU: a replay re-runs the captured model call (``fn``, bound after the
-    capture) into the captured logits with every plan forbidden, as a real replay runs only kernels."""
+    capture) into the captured logits with every plan forbidden, as a real replay runs only kernels.
+    A real replay also reuses the captured pointers: ``pointers`` (bound after the capture) must
+    give what they gave then."""
 
     def replay(self):
+        assert self.pointers() == self.captured_pointers, "a buffer the graph reads was replaced"
         _Wrapper.frozen = True
         try:
             with torch.inference_mode():  # the logits of a capture made in it
@@ -422,10 +425,15 @@ def test_engine_decode_graphs_on_the_flashinfer_backend(overlap, fake_flashinfer
         monkeypatch.setattr(torch.cuda, name, fake)
     graphs = DecodeGraphs(eng.model, eng.runner.pool, kernels, 4, eng.runner.page_table.table.shape[1], True)
     assert sorted(graphs.graphs) == [1, 2, 4]
+    backend = kernels.paged_attention
     for b, (graph, logits) in graphs.graphs.items():
         static = graphs._static_batch(b)
         graph.fn, graph.logits = (lambda s=static: eng.model(s, eng.runner.pool.layers, kernels)), logits
-    backend = kernels.paged_attention
+        wrapper = backend._graph_wrappers[b]
+        graph.pointers = lambda w=wrapper, b=b: (
+            backend._graph_wrappers[b] is w, backend.workspace.data_ptr(), *(t.data_ptr() for t in w.buffers)
+        )  # fmt: skip
+        graph.captured_pointers = graph.pointers()
     assert backend.graph_plans == 3 and backend.host_plans == 0  # one warm-up plan per capture
     eng.runner.graphs = graphs
     used = []
@@ -436,3 +444,41 @@ def test_engine_decode_graphs_on_the_flashinfer_backend(overlap, fake_flashinfer
     assert used and any(graphs.bucket(n) != n for n in used)  # some replays were padded
     assert backend.graph_plans == 3 + len(used)  # one plan per replay
     assert backend.host_plans == backend.plans - 3  # all but the captures' from staged host metadata
+
+
+def test_graph_workspace_follows_flashinfers_schedulers():
+    """FlashInfer 0.5's graph-mode split-KV partials (float32 values and sums), worked by hand from its
+    schedulers: tensor-core decode (group 8, 16-row tiles) of Llama-3-70B's 64 / 8 heads at bucket 512
+    on 132 SMs takes ceil(512 * 8 / 16) + 511 = 767 tiles; CUDA-core decode (group 4) takes one row per
+    CTA of the largest grid, 32 blocks x 132 SMs / 8 KV heads."""
+    assert flashinfer_ref.graph_workspace_bytes(512, 64, 8, 128, 132) == 4 * 64 * 767 * 16 * 129 + 1024
+    assert flashinfer_ref.graph_workspace_bytes(8, 64, 8, 128, 132) == 4 * 64 * 33 * 16 * 129 + 1024  # 2 CTAs / SM
+    assert flashinfer_ref.graph_workspace_bytes(512, 32, 8, 128, 132) == 4 * 32 * 528 * 129 + 1024
+    assert flashinfer_ref.graph_workspace_bytes(16, 128, 1, 128, 132) == 4 * 128 * 264 * 128 * 129 + 1024  # 128 rows
+    wide = flashinfer_ref.graph_workspace_bytes(512, 64, 8, 128, 132)
+    assert wide > flashinfer_ref.WORKSPACE_BYTES  # the default would overflow: the backend grows it
+    base = flashinfer_ref.device_bytes(64, 8, 128, 132, [], 1024)
+    with_graphs = flashinfer_ref.device_bytes(64, 8, 128, 132, [1, 2, 512], 1024)
+    assert with_graphs - base == wide - flashinfer_ref.WORKSPACE_BYTES + 3 * 8 * 2**20 + 4 * (2 * 512 + 1 + 512 * 1024)
+
+
+def test_workspace_grows_for_the_largest_bucket_before_any_graph_wrapper(fake_flashinfer, monkeypatch):
+    """The first graph plan (the largest bucket: capture goes largest first) grows a too-small float
+    workspace, and the eager wrappers made on the old one are made again; growing it once a graph
+    wrapper holds it is an error."""
+    monkeypatch.setattr(flashinfer_ref, "graph_workspace_bytes", lambda bucket, *a: 1000 * bucket)
+    batch = make_paged_batch([1, 1, 1], [10, 3, 17], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                             dtype=torch.float32, num_tokens=5)  # fmt: skip
+    static, args = _padded_decode(batch, 5, table_rows=8)
+    backend = flashinfer_ref.FlashInferBackend(workspace_bytes=16)
+    backend(*batch.args())  # an eager plan first, on the 16-byte workspace
+    eager = backend.wrappers[("decode", False)]
+    with backend.graph_bucket(5, static, batch.args()[3:6]):
+        backend(*args)
+    assert backend.workspace.numel() == backend.workspace_bytes == 5000
+    assert backend.wrappers == {} and backend._key is None  # made again on the next eager plan
+    backend(*batch.args())
+    assert backend.wrappers[("decode", False)] is not eager
+    empty = torch.zeros(9, dtype=torch.int32)
+    with backend.graph_bucket(8, static, None), pytest.raises(RuntimeError, match="needs a 8000 byte workspace"):
+        backend(torch.randn(8, *args[0].shape[1:]), *args[1:3], static, empty[:8], empty, 1)

@@ -18,7 +18,10 @@ its own decode wrapper in FlashInfer's CUDA-graph mode (fixed batch size, page l
 device buffers shared by the buckets), and ``graph_bucket`` plans it outside the graph before the
 capture and before every replay; the graph replays only the kernels, which read the plan from
 those buffers and the wrapper's workspace. Padding sequences of a bucket are planned as one key in
-page 0 (FlashInfer's decode wants a key per sequence); their rows are discarded by the graph runner.
+page 0, as SGLang pads (page 0 always exists and holds finite values; an empty sequence could give
+NaN rows), and the graph runner discards their rows. Graph mode sizes FlashInfer's split-KV
+partials for the whole bucket, so the float workspace grows for the largest bucket where the
+default is too small (tensor-core decode of wide GQA groups at large buckets).
 
 FlashInfer's plan writes its schedule into one pinned host buffer per wrapper and copies it to
 the device asynchronously; a plan made while the previous plan's copy is still queued (overlap
@@ -48,13 +51,47 @@ WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV pa
 PREFILL_MAX_KV_TOKENS = 16 * 1024 * 1024
 PREFILL_MAX_SEQS = 32768
 WRAPPER_INT_WORKSPACE_BYTES = 8 * 1024 * 1024  # what each FlashInfer wrapper allocates for its plan
+MAX_BLOCKS_PER_SM = 32  # resident thread blocks per SM (sm_80 and sm_90): bounds a decode grid
 
 
-def graph_bytes(num_buckets: int, max_bs: int, max_pages_per_request: int) -> int:
-    """Device memory the CUDA-graph decode wrappers take: a plan workspace per bucket, and the page
-    layout buffers they share (int32 indptr, last_page_len, and indices for every page of the
-    largest bucket)."""
-    return num_buckets * WRAPPER_INT_WORKSPACE_BYTES + 4 * (2 * max_bs + 1 + max_bs * max_pages_per_request)
+def graph_workspace_bytes(bucket: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, num_sms: int) -> int:
+    """The float workspace a graph-mode decode plan of ``bucket`` sequences takes at most (its split-KV
+    partials, float32 values and sums), as FlashInfer 0.5's schedulers size it. Graph mode sizes them
+    for the bucket, not the batch: on tensor cores (groups above 4: the prefill scheduler, split-KV
+    always on) a 16-row tile per CTA over ceil(bucket * group / 16) + bucket - 1 tiles, or two CTAs per
+    SM per KV head if more; on CUDA cores one row per CTA of the largest grid (at most one per
+    resident block slot, per KV head) or the bucket."""
+    group = num_qo_heads // num_kv_heads
+    if group > 4:
+        tile = 128 if group > 64 and head_dim < 256 else 64 if group > 16 else 16  # FA2DetermineCtaTileQ
+        rows = max(2 * num_sms // num_kv_heads, -(-bucket * group // tile) + bucket - 1) * tile
+    else:
+        rows = max(bucket, MAX_BLOCKS_PER_SM * num_sms // num_kv_heads)
+    return 4 * num_qo_heads * rows * (head_dim + 1) + 1024  # + the 16-byte alignment of each part
+
+
+def device_bytes(
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_sms: int,
+    graph_buckets: list[int],
+    max_pages_per_request: int,
+) -> int:
+    """Device memory the backend allocates besides the KV cache, for the engine's budget: the float
+    workspace (grown for the largest graph bucket where it needs more), the eager wrappers' plan
+    workspaces and the prefill wrapper's fixed buffers, and per graph bucket a plan workspace, plus
+    the page-layout buffers the buckets share (indptr, last_page_len, and indices for every page of
+    the largest bucket)."""
+    largest = max(graph_buckets, default=0)
+    workspace = WORKSPACE_BYTES
+    if largest:
+        workspace = max(workspace, graph_workspace_bytes(largest, num_qo_heads, num_kv_heads, head_dim, num_sms))
+    eager = 2 * WRAPPER_INT_WORKSPACE_BYTES + 4 * (PREFILL_MAX_KV_TOKENS + 2 * PREFILL_MAX_SEQS)
+    graphs = len(graph_buckets) * WRAPPER_INT_WORKSPACE_BYTES
+    if largest:
+        graphs += 4 * (2 * largest + 1 + largest * max_pages_per_request)
+    return workspace + eager + graphs
 
 
 @functools.cache
@@ -356,6 +393,21 @@ class FlashInferBackend:
         finally:
             self._graph = None
 
+    def _fit_workspace(self, bucket: int, hq: int, hkv: int, d: int, device: torch.device) -> None:
+        """Grow the float workspace to what a graph plan of ``bucket`` takes, before any graph wrapper
+        holds it (buckets are planned largest first; a grown workspace also replaces the eager
+        wrappers, which are made again on their next plan)."""
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        needed = graph_workspace_bytes(bucket, hq, hkv, d, num_sms)
+        if needed <= self.workspace_bytes:
+            return
+        if self._graph_wrappers:
+            raise RuntimeError(
+                f"flashinfer: graph bucket {bucket} needs a {needed} byte workspace after graph buckets were made "
+                f"with {self.workspace_bytes} bytes; plan the largest bucket first"
+            )
+        self.workspace_bytes, self.workspace, self.wrappers, self._key = needed, None, {}, None
+
     def _graph_run(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, softmax_scale: float | None
     ) -> torch.Tensor:
@@ -376,6 +428,7 @@ class FlashInferBackend:
         copy, else read back), then padding sequences of one key in page 0 up to the bucket."""
         device, q_dtype, kv_dtype, page_size, hkv, d, hq, scale = key
         bucket, metadata = self._graph
+        self._fit_workspace(bucket, hq, hkv, d, device)
         lens, cu = [], [0]
         if metadata is not None:
             host = self._staged_for(metadata)
