@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_flashinfer_backend import install_stand_in
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -207,3 +208,37 @@ def test_bench_attention_sigterm_stops_the_grid_and_keeps_what_it_measured(monke
     configs = bench.grid_configs(smoke=True)
     assert [r["config"] for r in rows] == configs[:2]
     assert len(left_out) == len(configs) - 2 and left_out[0].startswith(configs[2][0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_flashinfer_rows_with_a_stand_in(monkeypatch):
+    """The FlashInfer baselines' code path (CPU stand-in for FlashInfer, float64): the paged wrapper,
+    and POD-Attention on mixed batches only (case d, grid kind mixed), each checked against ours; the
+    mixed-batch target against the faster of the two."""
+    import argparse
+
+    install_stand_in(monkeypatch)
+    bench = load_bench()
+    args = argparse.Namespace(smoke=True, no_torch=True, flashinfer_grid="target", num_q_heads=4, num_kv_heads=2,
+                              head_dim=32, page_size=16)  # fmt: skip
+    device, ceilings = torch.device("cpu"), {"copy_gbps": 1.0, "matmul_tflops": 1.0}
+    timer = bench.timer(device)
+    (mixed_case,) = [c for c in bench.cases(256) if c.name == "d"]
+    d = bench.run_case(mixed_case, args, device, timer, ceilings)
+    assert d["rel_err_vs_flashinfer"] < 1.6e-2 and d["rel_err_vs_flashinfer_pod"] < 1.6e-2, d
+    assert d["speedup_vs_flashinfer_pod"] == d["flashinfer_pod_ms"] / d["ms"]
+    rows = [{**d, "case": name} for name in "abcde"]  # check_targets reads every case
+    (target,) = [t for t in bench.check_targets(rows) if t.startswith("(d) best of ours")]
+    faster = "flashinfer_pod" if d["flashinfer_pod_ms"] < d["flashinfer_ms"] else "flashinfer"
+    assert f"(against {faster}) vs target 1.2x" in target
+    grid = bench.measure_config(args, device, timer, ceilings, ("llama3-8b", 16, torch.bfloat16, "mixed"))
+    by_backend = {r["backend"]: r for r in grid}
+    assert {"triton", "flashinfer", "flashinfer-pod"} <= set(by_backend)
+    assert by_backend["flashinfer-pod"]["rel_err_vs_triton"] < 1.6e-2
+    assert all("flashinfer_pod_over_this" in r for r in grid)
+    decode = bench.measure_config(args, device, timer, ceilings, ("llama3-8b", 16, torch.bfloat16, "decode"))
+    assert "flashinfer" in {r["backend"] for r in decode} and "flashinfer-pod" not in {r["backend"] for r in decode}
+    report = {"command": "x", "date": "x", "info": {"device": "cpu"}, "config": {"smoke": True},
+              "ceilings": ceilings, "rows": rows, "targets": [], "grid": grid}  # fmt: skip
+    table = bench.markdown(report)
+    assert "FlashInfer POD/this" in table and "FlashInfer POD/triton" in table

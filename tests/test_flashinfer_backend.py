@@ -118,6 +118,25 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         self._plan(*args, num_qo_heads, num_kv_heads, head_dim_qk, page_size, **kw_of(kw))
 
 
+class BatchPODWithPagedKVCacheWrapper:
+    """FlashInfer's POD wrapper: a paged prefill batch (causal when asked) and a paged decode batch,
+    planned together, run together, two outputs."""
+
+    def __init__(self, workspace, layout):
+        self.halves = [BatchPrefillWithPagedKVCacheWrapper(workspace, layout) for _ in range(2)]
+
+    def plan(self, qo_p, kv_indptr_p, kv_indices_p, last_p, qo_d, kv_indptr_d, kv_indices_d, last_d,
+             num_qo_heads, num_kv_heads, head_dim, page_size, **kw):  # fmt: skip
+        common = (num_qo_heads, num_kv_heads, head_dim, page_size)
+        assert (qo_d[1:] - qo_d[:-1]).eq(1).all(), "one query token per decode"
+        self.halves[0].plan(qo_p, kv_indptr_p, kv_indices_p, last_p, *common, causal=True, **kw)
+        self.halves[1].plan(qo_d, kv_indptr_d, kv_indices_d, last_d, *common, causal=True, **kw)
+
+    def run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, causal_p=False):
+        assert causal_p, "our contract is causal"
+        return self.halves[0].run(q_p, paged_kv_cache_p), self.halves[1].run(q_d, paged_kv_cache_d)
+
+
 def kw_of(kw):
     assert kw["q_data_type"] in (torch.float16, torch.bfloat16, torch.float32), kw
     return {"sm_scale": kw["sm_scale"]}
@@ -125,9 +144,15 @@ def kw_of(kw):
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
+    return install_stand_in(monkeypatch)
+
+
+def install_stand_in(monkeypatch) -> types.ModuleType:
+    """The FlashInfer stand-in as ``flashinfer`` (and ``available()`` true) for this test."""
     module = types.ModuleType("flashinfer")
     module.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    module.BatchPODWithPagedKVCacheWrapper = BatchPODWithPagedKVCacheWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(flashinfer_ref, "available", lambda: True)
     _Wrapper.plans, _Wrapper.runs, _Wrapper.frozen = [], 0, False
@@ -482,3 +507,25 @@ def test_workspace_grows_for_the_largest_bucket_before_any_graph_wrapper(fake_fl
     empty = torch.zeros(9, dtype=torch.int32)
     with backend.graph_bucket(8, static, None), pytest.raises(RuntimeError, match="needs a 8000 byte workspace"):
         backend(torch.randn(8, *args[0].shape[1:]), *args[1:3], static, empty[:8], empty, 1)
+
+
+@pytest.mark.parametrize("chunks_first", [True, False])
+def test_pod_splits_a_mixed_batch_into_its_chunks_and_decodes(chunks_first, fake_flashinfer):
+    """The POD baseline: sequences of several query tokens to its prefill half, single tokens to its
+    decode half, rows as views when the chunks come first (the engine's order), output in our order."""
+    q_lens, kv_lens = [5, 3, 1, 1, 1], [12, 3, 9, 1, 30]
+    if not chunks_first:
+        q_lens, kv_lens = q_lens[::-1], kv_lens[::-1]
+    batch = make_paged_batch(q_lens, kv_lens, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                             dtype=torch.float32, num_tokens=13)  # fmt: skip
+    pod = flashinfer_ref.FlashInferPOD(*batch.args()[:6])
+    assert (pod.q_p.data_ptr() == batch.q.data_ptr()) is chunks_first
+    out_p, out_d = pod.run()
+    assert (out_p.shape[0], out_d.shape[0]) == (8, 3)
+    out = pod.output()
+    want = reference.paged_attention(*batch.to_float64())
+    assert relative_error(out, want) < 1e-5 and not out[11:].any()
+    decodes = make_paged_batch([1, 1], [4, 5], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
+                               dtype=torch.float32)  # fmt: skip
+    with pytest.raises(ValueError, match=r"POD needs a chunk of several tokens and a decode; query lengths \[1, 1\]"):
+        flashinfer_ref.FlashInferPOD(*decodes.args()[:6])

@@ -484,3 +484,66 @@ class FlashInferPagedAttention:
 
     def run(self) -> torch.Tensor:
         return self.backend.run(self.q, self.k_cache, self.v_cache)
+
+
+class FlashInferPOD:
+    """One mixed batch through FlashInfer's POD-Attention (``BatchPODWithPagedKVCacheWrapper``: the
+    prefill chunks and the decodes of a batch in one launch, sharing the SMs), planned at construction
+    (a host sync), then ``run()``: the benchmarks' other FlashInfer baseline for mixed batches, where
+    it applies (at least one chunk of several tokens and one decode). Sequences with more than one
+    query token go to its prefill half (causal, bottom-right aligned as in our contract), those with
+    one to its decode half; their query rows are views when the chunks come first (the engine's order),
+    else gathered here once. ``run`` returns FlashInfer's two outputs as they come, ``output`` ours in
+    our row order (rows past the batch's tokens zero)."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        softmax_scale: float | None = None,
+        workspace_bytes: int = WORKSPACE_BYTES,
+    ):
+        import flashinfer
+
+        _, page_size, hkv, d = k_cache.shape
+        cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+        q_lens = [b - a for a, b in itertools.pairwise(cu)]
+        parts = [[i for i, n in enumerate(q_lens) if n > 1], [i for i, n in enumerate(q_lens) if n == 1]]
+        if not all(parts):
+            raise ValueError(f"POD needs a chunk of several tokens and a decode; query lengths {q_lens}")
+        layouts, rows = [], []
+        for seqs in parts:
+            index = torch.tensor(seqs, dtype=torch.int64)
+            sub_lens = torch.tensor([lens[i] for i in seqs], dtype=torch.int32)
+            indptr, indices, last = csr_pages(block_tables.cpu()[index], sub_lens, page_size)
+            qo = torch.tensor([0, *itertools.accumulate(q_lens[i] for i in seqs)], dtype=torch.int32)
+            layouts.append((qo, indptr.to(q.device), indices.to(q.device), last))
+            rows.append(torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs]))
+        self.rows_p, self.rows_d = (r.to(q.device) for r in rows)
+        contiguous = torch.equal(torch.cat(rows), torch.arange(cu[-1]))
+        n_p = len(rows[0])
+        self.q_p, self.q_d = (q[:n_p], q[n_p : cu[-1]]) if contiguous else (q[self.rows_p], q[self.rows_d])
+        self.kv = (k_cache, v_cache)
+        self.q = q
+        workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=q.device)
+        self.wrapper = flashinfer.BatchPODWithPagedKVCacheWrapper(workspace, "NHD")
+        self.wrapper.plan(
+            *layouts[0], *layouts[1], q.shape[1], hkv, d, page_size,
+            q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+            sm_scale=softmax_scale if softmax_scale is not None else d**-0.5,
+        )  # fmt: skip
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prefill output, decode output), as FlashInfer returns them."""
+        return self.wrapper.run(self.q_p, self.kv, self.q_d, self.kv, causal_p=True)
+
+    def output(self) -> torch.Tensor:
+        out_p, out_d = self.run()
+        out = torch.zeros_like(self.q)
+        out[self.rows_p] = out_p
+        out[self.rows_d] = out_d
+        return out
