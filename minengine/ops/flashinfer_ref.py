@@ -428,7 +428,8 @@ class FlashInferBackend:
         copy, else read back), then padding sequences of one key in page 0 up to the bucket."""
         device, q_dtype, kv_dtype, page_size, hkv, d, hq, scale = key
         bucket, metadata = self._graph
-        self._fit_workspace(bucket, hq, hkv, d, device)
+        if bucket not in self._graph_wrappers:  # its first plan: the workspace it will hold must fit
+            self._fit_workspace(bucket, hq, hkv, d, device)
         lens, cu = [], [0]
         if metadata is not None:
             host = self._staged_for(metadata)
