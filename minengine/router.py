@@ -6,7 +6,8 @@ Per request it picks a prefill server and a decode server, adds ``bootstrap_host
 ``bootstrap_port`` (the prefill server's KV handshake endpoint) and a random ``bootstrap_room``,
 sends the request to both, and answers with the decode server's response (streamed when asked).
 The prefill half runs with ``stream`` off and one token; if it fails before the decode half
-answers, its error is the answer. A client that goes away cancels both halves. A server that
+answers (streamed: before the decode server streams output, which shows that the KV has landed),
+its error is the answer. A client that goes away cancels both halves. A server that
 refuses the connection never saw the request, so the request goes to another pair (both halves
 again, with a new room) while another server of that kind is up, up to ``MAX_ATTEMPTS`` pairs.
 
@@ -303,17 +304,20 @@ class Router:
                 self._finish_in_background(prefill)
 
         async def relay():
-            chunks, nxt, prefill_ok = resp.aiter_raw().__aiter__(), None, False
+            chunks, nxt = resp.aiter_raw().__aiter__(), None
+            # Until the decode server streams output, a failed prefill half is the cause of what it
+            # says next (its KV never lands), so the stream ends with that error. Output means the
+            # KV and the first token have landed: the stream no longer needs the prefill half.
+            output = _OutputWatch()
             try:
                 while True:
                     nxt = asyncio.ensure_future(chunks.__anext__())
-                    await asyncio.wait({nxt} if prefill_ok else {nxt, prefill}, return_when="FIRST_COMPLETED")
-                    if not prefill_ok and prefill.done():  # the prefill half ended (maybe before we began)
-                        if (failed := _failure(prefill, p)) is not None:  # the cause of what decode says next
-                            self.failures.labels(server=p.url).inc()
-                            yield _event(failed)
-                            return
-                        prefill_ok = True
+                    watching = not output.began and not prefill.done()
+                    await asyncio.wait({nxt, prefill} if watching else {nxt}, return_when="FIRST_COMPLETED")
+                    if not output.began and prefill.done() and (failed := _failure(prefill, p)) is not None:
+                        self.failures.labels(server=p.url).inc()
+                        yield _event(failed)
+                        return
                     await asyncio.wait({nxt})
                     try:
                         chunk = nxt.result()
@@ -323,6 +327,7 @@ class Router:
                         self.failures.labels(server=d.url).inc()
                         yield _event(error_response(502, f"the decode server {d.url} failed: {exc!r}"))
                         return
+                    output.feed(chunk)
                     yield chunk
             finally:
                 if nxt is not None and not nxt.done():
@@ -370,6 +375,39 @@ class Router:
 
 class _Refused(Exception):
     """A server refused a request's connection; it goes to another pair (the message: the server)."""
+
+
+class _OutputWatch:
+    """Whether a decode server's event stream has carried output yet: a choice with text, or a
+    finish reason (a first token that decodes to nothing). Only the events up to the first such
+    one are parsed; a chat stream's opening role events are not output."""
+
+    def __init__(self):
+        self.began, self._buffer = False, b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.began:
+            return
+        *events, self._buffer = (self._buffer + chunk).split(b"\n\n")
+        self.began = any(_is_output(e) for e in events)
+        if self.began:
+            self._buffer = b""
+
+
+def _is_output(event: bytes) -> bool:
+    data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
+    try:
+        choices = json.loads(data).get("choices") or []
+    except (ValueError, AttributeError):  # [DONE], an error object's shape aside, or not JSON
+        return False
+    for c in choices:
+        if not isinstance(c, dict):
+            continue
+        delta = c.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else c.get("text")
+        if text or c.get("finish_reason") is not None:
+            return True
+    return False
 
 
 def _prefill_ended(task: asyncio.Task, p: Backend) -> None:

@@ -261,13 +261,18 @@ def test_a_server_that_refuses_connections_is_passed_over():
     assert routing_key({"messages": 5}) == ""  # a body the server rejects is routed, not a 500
 
 
-def _router_app(handler):
-    """The router's app over fake servers (``handler`` answers both) and a prefill at p, decode at d."""
+def _one_pair_router(handler):
+    """A router over fake servers (``handler`` answers both), a prefill at p and a decode at d,
+    and a client of its app."""
     from minengine.router import Backend, Router, build_app
 
     router = Router([Backend("http://p", 1)], [Backend("http://d")])
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
+    return router, httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
+
+
+def _router_app(handler):
+    return _one_pair_router(handler)[1]
 
 
 def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error():
@@ -313,6 +318,109 @@ def test_a_silent_decode_server_does_not_hold_a_stream_whose_prefill_failed():
     assert r.status_code == 500 and "prefill half failed" in r.text and seconds < 5
 
 
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("prefill_error", ["died", 500])
+def test_a_prefill_half_failing_after_the_output_began_does_not_cut_the_stream(chat, prefill_error):
+    """Once the decode server streams output, the KV and the first token have landed: a prefill
+    half that fails afterwards (its server died before answering) is no cause to end the stream.
+    Before output (a chat stream's role event only), the prefill's error still ends it."""
+    import asyncio
+
+    role = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+
+    def piece(text: str, finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+        return b"data: " + json.dumps({"choices": [choice | {"finish_reason": finish}]}).encode() + b"\n\n"
+
+    async def handler(request):
+        if request.url.host == "p":
+            await asyncio.sleep(0.3)
+            if prefill_error == "died":
+                raise httpx.RemoteProtocolError("server disconnected without sending a response")
+            return httpx.Response(500, json={"error": {"message": "the prefill half failed", "code": 500}})
+
+        async def events():
+            if chat:
+                yield role
+            event = piece("a")  # split mid-event: the watch joins the parts
+            yield event[:20]
+            yield event[20:]
+            await asyncio.sleep(0.6)  # the prefill half fails meanwhile
+            yield piece("b", "length") + b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    async def run():
+        router, http = _one_pair_router(handler)
+        async with http:
+            r = await http.post("/v1/" + ("chat/completions" if chat else "completions"), json=body, timeout=10)
+        return router, r
+
+    body = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    body["stream"] = True
+    router, r = asyncio.run(run())
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and "error" not in r.text, r.text
+    assert events[-1] == "data: [DONE]" and [
+        json.loads(e[6:])["choices"][0].get("finish_reason") for e in events[-3:-1]
+    ] == [None, "length"]
+    assert _failures(router) == {}
+
+
+def _failures(router) -> dict[str, float]:
+    return _counter(router, "failures")
+
+
+def test_a_prefill_half_failing_before_the_output_ends_a_chat_stream_after_its_role_event():
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "p":
+            await asyncio.sleep(0.2)
+            return httpx.Response(503, json={"error": {"message": "the prefill half failed", "code": 503}})
+
+        async def events():
+            yield b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+            await asyncio.sleep(60)  # waits for KV that never comes
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    async def run():
+        async with _router_app(handler) as http:
+            start = time.monotonic()
+            body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+            r = await http.post("/v1/chat/completions", json=body, timeout=30)
+            return r, time.monotonic() - start
+
+    r, seconds = asyncio.run(run())
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert len(events) == 3 and '"role"' in events[0] and "prefill half failed" in events[1], r.text
+    assert events[2] == "data: [DONE]" and seconds < 5
+
+
+def test_output_watch_over_split_and_non_output_events():
+    from minengine.router import _OutputWatch
+
+    watch = _OutputWatch()
+    for chunk in [
+        b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n',
+        b"\n",
+        b"data: {",
+        b'"error": {}}\n\n',
+    ]:
+        watch.feed(chunk)
+        assert not watch.began
+    watch.feed(b'data: {"choices": [{"text": "", "finish_reason": null}]}\n\ndata: [1]\n\ndata: not json\n\n')
+    assert not watch.began
+    watch.feed(b'data: {"choices": [{"text": "", "finish_')
+    assert not watch.began
+    watch.feed(b'reason": "stop"}]}\n\n')
+    assert watch.began
+    watch.feed(b"anything")
+    assert watch.began and watch._buffer == b""
+
+
 def _two_pair_router(handler):
     from minengine.router import Backend, Router, build_app
 
@@ -322,15 +430,20 @@ def _two_pair_router(handler):
     return router, http
 
 
-def _retries(router) -> dict[str, float]:
+def _counter(router, name: str) -> dict[str, float]:
+    """A router counter's samples by server."""
     from prometheus_client import generate_latest
 
     text = generate_latest(router.registry).decode()
     return {
         line.split('"')[1]: float(line.split()[-1])
         for line in text.splitlines()
-        if line.startswith("minengine_router:retries_total{")
+        if line.startswith(f"minengine_router:{name}_total{{")
     }
+
+
+def _retries(router) -> dict[str, float]:
+    return _counter(router, "retries")
 
 
 @pytest.mark.parametrize("stream", [False, True])
