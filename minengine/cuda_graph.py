@@ -4,7 +4,9 @@ A decode-only batch of ``bs`` requests is padded to the smallest captured bucket
 the padded tokens have KV slot -1 (``store_kv`` skips them) and belong to no sequence (the
 padded sequences have ``q_len = 0`` and ``seq_len = 0``, so attention reads nothing for them and
 writes their rows as zeros). The graph runs the whole model, attention kernels included, into a
-static logits buffer; sampling stays eager (per-request parameters and generators).
+static logits buffer, and greedy sampling (each row's argmax) after it. The other sampling stays
+eager, as in vLLM and SGLang: which filters run, and each seeded request's generator, are decided
+per step on the host; it overwrites the rows of the requests that do not decode greedily.
 
 Graphs are captured at start-up, largest bucket first, into one memory pool. With
 ``use_graphs=False`` the same padded path runs eagerly; that is how CPU tests check the padding.
@@ -47,7 +49,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}  # logits, argmax
         if use_graphs:
             self._capture_all()
 
@@ -89,13 +91,17 @@ class DecodeGraphs:
             fb = self._static_batch(b)
             with self._bucket(b):
                 for _ in range(2):  # compile the kernels for this shape (and plan) outside the graph
-                    self.model(fb, self.pool.layers, self.kernels)
+                    self._forward(fb)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool):
-                    logits = self.model(fb, self.pool.layers, self.kernels)
-            self.graphs[b] = (graph, logits)
+                    logits, greedy = self._forward(fb)
+            self.graphs[b] = (graph, logits, greedy)
         torch.cuda.synchronize()
+
+    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(fb, self.pool.layers, self.kernels)
+        return logits, logits.argmax(-1)
 
     def _fill_padding(self, bs: int, b: int) -> None:
         self.input_ids[bs:b] = 0
@@ -104,8 +110,9 @@ class DecodeGraphs:
         self.seq_lens[bs:b] = 0
         self.cu_seqlens_q[bs + 1 : b + 1] = bs
 
-    def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """Logits of a decode-only batch (every row samples) through the padded path."""
+    def run(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of a decode-only batch (every row samples) through the padded path, and each row's
+        greedy token. Both are views of the bucket's static outputs: read them before the next run."""
         bs = fb.input_ids.shape[0]
         b = self.bucket(bs)
         self.input_ids[:bs].copy_(fb.input_ids)
@@ -117,7 +124,8 @@ class DecodeGraphs:
         self._fill_padding(bs, b)
         with self._bucket(b, fb):
             if b in self.graphs:
-                graph, logits = self.graphs[b]
+                graph, logits, greedy = self.graphs[b]
                 graph.replay()
-                return logits[:bs]
-            return self.model(self._static_batch(b), self.pool.layers, self.kernels)[:bs]
+            else:
+                logits, greedy = self._forward(self._static_batch(b))
+        return logits[:bs], greedy[:bs]

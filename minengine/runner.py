@@ -105,16 +105,18 @@ class ModelRunner:
         sample_slots = [req.slot for req in samplers]
         num_tokens = fb.input_ids.shape[0]
         graphable = fb.max_seqlen_q == 1 and len(samplers) == num_tokens  # decode-only, every row samples
+        greedy = None  # each row's argmax, when the forward computed it (a graph)
         with step_range("forward"):
             if self.graphs is not None and graphable and self.graphs.bucket(num_tokens) is not None:
-                logits = self.graphs.run(fb)
+                logits, greedy = self.graphs.run(fb)
             else:
                 logits = self.model(fb, self.pool.layers, self.kernels)
         with step_range("sampling"):
-            tokens = self.sampler(logits, samplers)
+            tokens = self.sampler(logits, samplers, greedy)
         if self.device.type != "cuda":
             self.token_buffer[sample_slots] = tokens
-            return Launched(samplers, tokens, None)
+            # a graph's output is overwritten by the next step, launched before this one is read
+            return Launched(samplers, tokens if greedy is None else tokens.clone(), None)
         self.token_buffer[to_device(sample_slots, torch.int64, self.device)] = tokens
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)

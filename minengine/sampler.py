@@ -27,10 +27,12 @@ class Sampler:
         if req.generator is not None and not req.params.greedy:
             torch.empty(vocab_size, device=self.device).exponential_(generator=req.generator)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], greedy: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row of ``logits`` [S, V] (float32), row i for ``reqs[i]``, on the device.
-        Decisions use host values only, so sampling never waits for the device."""
-        tokens = logits.argmax(-1)
+        ``greedy``: each row's argmax, already computed (a CUDA graph's); the rows of requests that
+        do not decode greedily are overwritten in it. Decisions use host values only, so sampling
+        never waits for the device."""
+        tokens = logits.argmax(-1) if greedy is None else greedy
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rows:
             params = [reqs[i].params for i in rows]

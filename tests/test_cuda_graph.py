@@ -15,6 +15,11 @@ from minengine.cuda_graph import DecodeGraphs
 PROMPTS = [f"graph prompt {i}" * (i % 3 + 1) for i in range(7)]
 # different lengths: decode batches shrink from 7 to 1 (7, 6, 5 pad to the bucket of 8)
 PARAMS = [SamplingParams(temperature=0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(7)]
+# greedy rows take the graph's argmax; seeded sampling rows overwrite theirs (reproducible in any batch)
+MIXED = [
+    SamplingParams(temperature=0.9, top_k=20, seed=i, max_tokens=p.max_tokens, ignore_eos=True) if i % 2 else p
+    for i, p in enumerate(PARAMS)
+]
 
 
 def with_padded_decode(llm: LLM, max_bs: int) -> list[int]:
@@ -29,12 +34,12 @@ def with_padded_decode(llm: LLM, max_bs: int) -> list[int]:
     return used
 
 
-@pytest.mark.parametrize("max_bs", [5, 8])
-def test_padded_decode_path_gives_the_same_tokens(max_bs, kv_checked_steps):
-    want = [o.token_ids for o in LLM("tiny", page_size=4).generate(PROMPTS, PARAMS, use_tqdm=False)]
+@pytest.mark.parametrize("max_bs, params", [(5, PARAMS), (8, PARAMS), (8, MIXED)], ids=["5", "8", "8-mixed"])
+def test_padded_decode_path_gives_the_same_tokens(max_bs, params, kv_checked_steps):
+    want = [o.token_ids for o in LLM("tiny", page_size=4).generate(PROMPTS, params, use_tqdm=False)]
     llm = LLM("tiny", page_size=4)
     used = with_padded_decode(llm, max_bs)
-    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] == want
+    assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == want
     assert used and max(used) <= max_bs  # larger decode batches ran eagerly
     assert any(llm.engine.runner.graphs.bucket(n) != n for n in used)  # some were padded
 
@@ -48,11 +53,11 @@ def test_buckets():
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager_on_gpu():
     eager = LLM("tiny", device="cuda", page_size=16, disable_cuda_graph=True)
-    want = [o.token_ids for o in eager.generate(PROMPTS * 5, PARAMS * 5, use_tqdm=False)]
+    want = [o.token_ids for o in eager.generate(PROMPTS * 5, MIXED * 5, use_tqdm=False)]
     eager.shutdown()
     llm = LLM("tiny", device="cuda", page_size=16, cuda_graph_max_bs=32)
     assert llm.engine.runner.graphs.graphs  # captured
-    assert [o.token_ids for o in llm.generate(PROMPTS * 5, PARAMS * 5, use_tqdm=False)] == want
+    assert [o.token_ids for o in llm.generate(PROMPTS * 5, MIXED * 5, use_tqdm=False)] == want
     torch.cuda.synchronize()
 
 
@@ -90,10 +95,11 @@ def test_flashinfer_decode_graphs_match_its_eager_run_on_gpu(heads, max_bs, copi
     real = graphs.run
 
     def run(fb):
-        logits = real(fb).clone()
+        logits, greedy = real(fb)
+        assert torch.equal(greedy, logits.argmax(-1))  # greedy sampling in the graph
         eager = eng.model(fb, eng.runner.pool.layers, eng.runner.kernels)
         checked.append((fb.input_ids.shape[0], relative_error(logits, eager)))
-        return logits
+        return logits, greedy
 
     graphs.run = run
     outputs = llm.generate(PROMPTS * copies, PARAMS * copies, use_tqdm=False)

@@ -408,7 +408,8 @@ def test_graph_bucket_plans_outside_the_graph_with_padding_in_page_0(fake_flashi
 
 class _FakeGraph:
     """torch.cuda.CUDAGraph on CPU: a replay re-runs the captured model call (``fn``, bound after the
-    capture) into the captured logits with every plan forbidden, as a real replay runs only kernels.
+    capture) into the captured logits and argmax with every plan forbidden, as a real replay runs
+    only kernels.
     A real replay also reuses the captured pointers: ``pointers`` (bound after the capture) must
     give what they gave then."""
 
@@ -417,7 +418,9 @@ class _FakeGraph:
         _Wrapper.frozen = True
         try:
             with torch.inference_mode():  # the logits of a capture made in it
-                self.logits.copy_(self.fn())
+                logits = self.fn()
+                self.logits.copy_(logits)
+                self.greedy.copy_(logits.argmax(-1))
         finally:
             _Wrapper.frozen = False
 
@@ -451,9 +454,10 @@ def test_engine_decode_graphs_on_the_flashinfer_backend(overlap, fake_flashinfer
     graphs = DecodeGraphs(eng.model, eng.runner.pool, kernels, 4, eng.runner.page_table.table.shape[1], True)
     assert sorted(graphs.graphs) == [1, 2, 4]
     backend = kernels.paged_attention
-    for b, (graph, logits) in graphs.graphs.items():
+    for b, (graph, logits, greedy) in graphs.graphs.items():
         static = graphs._static_batch(b)
-        graph.fn, graph.logits = (lambda s=static: eng.model(s, eng.runner.pool.layers, kernels)), logits
+        graph.fn = lambda s=static: eng.model(s, eng.runner.pool.layers, kernels)
+        graph.logits, graph.greedy = logits, greedy
         wrapper = backend._graph_wrappers[b]
         graph.pointers = lambda w=wrapper, b=b: (
             backend._graph_wrappers[b] is w, backend.workspace.data_ptr(), *(t.data_ptr() for t in w.buffers)
