@@ -9,7 +9,9 @@ and 4k: fill the batch (prompts of that length), then time steady-state decode s
 
 Target: step time <= 1.25 x roofline at batch >= 16. Idle time: a torch-profiler trace of
 decode steps; idle = 1 - (union of GPU kernel intervals) / (trace window), with overlap
-scheduling on and off. Target: < 5 % idle with overlap on. Writes JSON + markdown.
+scheduling on and off. Target: < 5 % idle with overlap on. Last, unless ``--no-layer-ablation``,
+the step time again with the decoder's elementwise layers left to torch (``--layer-kernels torch``:
+about 30 small kernels per layer instead of 4 fused ones). Writes JSON + markdown.
 
     python benchmarks/bench_decode.py
     python benchmarks/bench_decode.py --smoke --out /tmp/bench   # tiny shapes on CPU: checks the script
@@ -35,8 +37,8 @@ def max_tokens(steps: int) -> int:
     return steps * 4 + 16
 
 
-def build(args, tmp: Path, overlap: bool):
-    """One engine for every point of an overlap setting: room for the largest batch and context."""
+def build(args, tmp: Path, overlap: bool, layer_kernels: str = "auto"):
+    """One engine for every point of a setting: room for the largest batch and context."""
     from minengine import LLM
 
     path, dummy = model_dir(args.model, tmp)
@@ -47,6 +49,7 @@ def build(args, tmp: Path, overlap: bool):
         context_length=context + max_tokens(args.steps) + 64,
         disable_overlap_schedule=not overlap,
         cuda_graph_max_bs=batch,
+        layer_kernels=layer_kernels,
     )
     if args.max_total_tokens is not None:
         config["max_total_tokens"] = args.max_total_tokens
@@ -145,23 +148,27 @@ def markdown(report: dict) -> str:
         *header("bench_decode", report),
         f"- copy bandwidth {report['copy_gbps']:.0f} GB/s (read + write); model {report['config']['model']}",
         "",
-        "| batch | context | step ms | roofline ms | x roofline | idle, overlap on | idle, overlap off |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | context | step ms | roofline ms | x roofline | idle, overlap on | idle, overlap off "
+        "| step ms, torch layers |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{v:.1%}"
 
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
     for r in report["rows"]:
         if "skipped" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | | |")
         elif "step_ms" not in r:
-            lines.append(f"| {r['batch']} | {r['context']} | not measured | | | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | not measured | | | | | |")
         else:
             lines.append(
                 f"| {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['roofline_ms']:.3f} | "
                 f"{r['step_ms'] / r['roofline_ms']:.2f} | {pct(r.get('idle_overlap'))} | "
-                f"{pct(r.get('idle_no_overlap'))} |"
+                f"{pct(r.get('idle_no_overlap'))} | {ms(r.get('step_ms_torch_layers'))} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -174,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
     parser.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: GPU memory)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and sizes on CPU")
+    parser.add_argument("--no-layer-ablation", action="store_true", help="skip the torch-layers step times")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -193,10 +201,13 @@ def main(argv: list[str] | None = None) -> dict:
         return report
 
     with tempfile.TemporaryDirectory() as tmp:
-        for overlap in (True, False):  # one engine per setting, reused by every point
-            sub = Path(tmp) / f"overlap-{overlap}"
+        settings = [("overlap", True, "auto"), ("no-overlap", False, "auto")]
+        if not args.no_layer_ablation:
+            settings.append(("torch-layers", True, "torch"))
+        for name, overlap, layer_kernels in settings:  # one engine per setting, reused by every point
+            sub = Path(tmp) / name
             sub.mkdir()
-            llm, cfg = build(args, sub, overlap)
+            llm, cfg = build(args, sub, overlap, layer_kernels)
             capacity = llm.engine.kv_capacity_tokens
             for row in rows:
                 batch, context = row["batch"], row["context"]
@@ -205,11 +216,15 @@ def main(argv: list[str] | None = None) -> dict:
                     row["skipped"] = f"needs {need} KV tokens, the pool holds {capacity}"
                     continue
                 reqs = fill(llm, batch, context, args.steps, cfg["vocab_size"])
-                if overlap:
+                if name == "overlap":
                     row["step_ms"] = time_steps(llm, args.steps) * 1e3
                     weights = decode_weight_bytes(llm.engine.model, batch)
                     row["roofline_ms"] = roofline_seconds(cfg, batch, context, copy_gbps, weights) * 1e3
-                row["idle_overlap" if overlap else "idle_no_overlap"] = idle_fraction(llm, args.steps)
+                    row["idle_overlap"] = idle_fraction(llm, args.steps)
+                elif name == "no-overlap":
+                    row["idle_no_overlap"] = idle_fraction(llm, args.steps)
+                else:
+                    row["step_ms_torch_layers"] = time_steps(llm, args.steps) * 1e3
                 drain(llm, reqs)
                 print(json.dumps(row), flush=True)
                 write()

@@ -16,6 +16,7 @@ from minengine.sampling_params import SEED_MAX
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda", "flashinfer")
+LAYER_KERNELS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -26,6 +27,7 @@ CHOICES = {
     "device": DEVICES,
     "dtype": DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
+    "layer_kernels": LAYER_KERNELS,
     "load_format": LOAD_FORMATS,
     "load_balance_method": LOAD_BALANCE_METHODS,
     "disaggregation_mode": DISAGGREGATION_MODES,
@@ -42,6 +44,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    # RMSNorm + residual add, rotary, SiLU-and-mul: "triton" (one launch each), "torch"; auto: triton on CUDA
+    layer_kernels: str = "auto"
     page_size: int = 16
     max_running_requests: int = 256
     chunked_prefill_size: int = 8192
@@ -75,6 +79,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("layer_kernels", self.layer_kernels, LAYER_KERNELS)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         _choice("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
         _choice("kv_admission", self.kv_admission, KV_ADMISSIONS)

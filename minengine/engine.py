@@ -87,6 +87,7 @@ class Engine:
         dummy = config.load_format == "dummy"
         self.model = load_model(config.model, mc, self.context_length, self.device, self.dtype, dummy)
         kernels = ops.get_kernels(config.attention_backend, self.device)
+        kernels = kernels._replace(layers=ops.get_layer_kernels(config.layer_kernels, self.device))
         self.backend = backend = ops.resolve_backend(config.attention_backend, self.device)
         self.use_cuda_graphs = self.device.type == "cuda" and not config.disable_cuda_graph and backend in GRAPH_SAFE
 

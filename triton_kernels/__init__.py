@@ -3,6 +3,7 @@
 - ``paged_attention``: mixed chunked-prefill + decode attention over paged KV, one launch.
 - ``store_kv``: write this step's K/V into the paged caches.
 - ``gather_input_ids``: the mixed-batch input_ids gather of overlap scheduling.
+- ``rms_norm``, ``rotary``, ``silu_and_mul``: the decoder's fused elementwise layers (``layers.py``).
 
 Each kernel's file opens with its contract; ``contract.py`` holds the argument checks that
 every backend shares. This package imports nothing from ``minengine``.
@@ -21,5 +22,6 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 from triton_kernels.attention import paged_attention  # noqa: E402
 from triton_kernels.input_ids import gather_input_ids  # noqa: E402
 from triton_kernels.kv_cache import store_kv  # noqa: E402
+from triton_kernels.layers import rms_norm, rotary, silu_and_mul  # noqa: E402
 
-__all__ = ["gather_input_ids", "paged_attention", "store_kv"]
+__all__ = ["gather_input_ids", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "store_kv"]

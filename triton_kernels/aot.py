@@ -24,6 +24,7 @@ from triton.runtime.jit import JITFunction
 from triton_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, pick_config
 from triton_kernels.input_ids import _gather_input_ids_kernel
 from triton_kernels.kv_cache import _store_kv_kernel
+from triton_kernels.layers import _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel, norm_warps
 
 TRITON_TYPES = {
     torch.float16: "fp16",
@@ -125,6 +126,38 @@ def compile_gather(arch: int, id_dtype: torch.dtype, index_dtype: torch.dtype):
     types = dict(prefill_ptr=ids, buffer_ptr=ids, out_ptr=ids, indices_ptr="*" + TRITON_TYPES[index_dtype])
     types |= dict(num_prefill="i32", total="i32") | _strides(_gather_input_ids_kernel)
     return compile_for_target(_gather_input_ids_kernel, types, dict(BLOCK=1024), arch, num_warps=4)
+
+
+def compile_rms_norm(arch: int, dtype: torch.dtype, width: int, residual: bool):
+    elem = "*" + TRITON_TYPES[dtype]
+    types = dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "out_ptr"), elem) | dict(n="i32", eps="fp32")
+    block = triton.next_power_of_2(width)
+    constexprs = dict(HAS_RESIDUAL=residual, BLOCK=block)
+    return compile_for_target(
+        _rms_norm_kernel, types | _strides(_rms_norm_kernel), constexprs, arch, num_warps=norm_warps(block)
+    )
+
+
+def compile_rotary(arch: int, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    elem = "*" + TRITON_TYPES[dtype]
+    types = dict(pos_ptr="*i64", q_ptr=elem, k_ptr=elem, cos_ptr="*fp32", sin_ptr="*fp32")
+    half = head_dim // 2
+    constexprs = dict(
+        HQ=num_q_heads,
+        HK=num_kv_heads,
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_kv_heads)),
+        BLOCK_HALF=triton.next_power_of_2(half),
+    )
+    return compile_for_target(_rotary_kernel, types | _strides(_rotary_kernel), constexprs, arch, num_warps=4)
+
+
+def compile_silu_and_mul(arch: int, dtype: torch.dtype):
+    elem = "*" + TRITON_TYPES[dtype]
+    types = dict.fromkeys(("gate_ptr", "up_ptr", "out_ptr"), elem) | dict(n="i32")
+    return compile_for_target(
+        _silu_and_mul_kernel, types | _strides(_silu_and_mul_kernel), dict(BLOCK=1024), arch, num_warps=4
+    )
 
 
 def cuobjdump() -> str:

@@ -54,9 +54,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        layers = kernels.layers
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](batch.positions, q, k)
+            q, k = self.q_norm(q, layers=layers), self.k_norm(k, layers=layers)
+        q, k = self.rotary[0](batch.positions, q, k, layers)
         k_cache, v_cache = kv
         kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = kernels.paged_attention(
@@ -73,9 +74,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, batch, kv, kernels):
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv, kernels)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, kv, kernels: KernelSet
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream before it is added (the next norm adds it,
+        fused): the stream after the layer is their sum. ``residual`` None: ``x`` is the stream."""
+        layers = kernels.layers
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, layers=layers)
+        else:
+            h = self.input_layernorm(x, residual, layers)
+        h = self.self_attn(h, batch, kv, kernels)
+        h = self.post_attention_layernorm(h, residual, layers)
+        return self.mlp(h, layers), residual
 
 
 class Model(nn.Module):
@@ -101,8 +112,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kernels: KernelSet):
         """Logits (float32) of the rows in ``batch.logits_indices``."""
-        x = self.model.embed_tokens(batch.input_ids)
+        x, residual = self.model.embed_tokens(batch.input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, batch, kv, kernels)
-        x = self.model.norm(x[batch.logits_indices])
+            x, residual = layer(x, residual, batch, kv, kernels)
+        rows = batch.logits_indices
+        x = self.model.norm(x[rows], None if residual is None else residual[rows], kernels.layers)
         return self.lm_head(x).float()

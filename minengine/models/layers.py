@@ -1,4 +1,8 @@
-"""Building blocks of Llama-style decoders: RMSNorm, rotary embedding (default and llama3), MLP."""
+"""Building blocks of Llama-style decoders: RMSNorm, rotary embedding (default and llama3), MLP.
+
+Each takes the step's ``LayerKernels`` (``minengine.ops``): None runs the torch code here (the
+reference: several kernels per call), otherwise their fused kernels (one launch per call).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from minengine.ops import LayerKernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -14,7 +20,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, layers: LayerKernels | None = None
+    ) -> torch.Tensor:
+        """The norm of ``x`` (any leading dims), or with ``residual``: ``residual`` becomes
+        ``x + residual`` (in place) and the norm is of that sum."""
+        if layers is not None:
+            shape = x.shape
+            flat = None if residual is None else residual.view(-1, shape[-1])
+            return layers.rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps, flat).view(shape)
+        if residual is not None:
+            x = residual.add_(x)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -48,7 +64,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layers: LayerKernels | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hk, D] rotated (in place by the fused kernel)."""
+        if layers is not None:
+            layers.rotary(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -66,5 +88,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, layers: LayerKernels | None = None) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if layers is not None:
+            return self.down_proj(layers.silu_and_mul(gate, up))
+        return self.down_proj(nn.functional.silu(gate) * up)

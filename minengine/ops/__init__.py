@@ -15,6 +15,11 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
 
 The engine resolves its backend once (``get_kernels(name, device)``) and calls the functions
 directly; the module-level wrappers below resolve per call, for scripts and tests.
+
+The decoder's elementwise layers (RMSNorm with the residual add, rotary embedding, SiLU-and-mul)
+have their own choice, ``--layer-kernels``: ``triton`` (``triton_kernels.layers``, one launch
+each) or ``torch`` (the modules' own torch code, several kernels each); ``auto`` is triton on
+CUDA. It reaches the model as ``KernelSet.layers`` (None: torch).
 """
 
 from __future__ import annotations
@@ -38,6 +43,28 @@ class HostMetadata:
     cu_seqlens_q: list[int]
 
 
+class LayerKernels(NamedTuple):
+    """The decoder's fused elementwise layers (contracts in ``triton_kernels/layers.py``)."""
+
+    rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps, residual=None) -> out; residual += x in place
+    rotary: Callable[..., None]  # (positions, q, k, cos, sin): q and k rotated in place
+    silu_and_mul: Callable[..., torch.Tensor]  # (gate, up) -> silu(gate) * up
+
+
+LAYER_KERNEL_NAMES = ("auto", "torch", "triton")
+
+
+def get_layer_kernels(name: str, device: torch.device | str) -> LayerKernels | None:
+    """The layer kernels ``name`` stands for on ``device`` (None: the modules' torch code)."""
+    if name not in LAYER_KERNEL_NAMES:
+        raise ValueError(f"unknown layer kernels {name!r}; allowed: {', '.join(LAYER_KERNEL_NAMES)}")
+    if name == "torch" or (name == "auto" and torch.device(device).type != "cuda"):
+        return None
+    from triton_kernels import layers
+
+    return LayerKernels(layers.rms_norm, layers.rotary, layers.silu_and_mul)
+
+
 class KernelSet(NamedTuple):
     paged_attention: Callable[..., torch.Tensor]
     store_kv: Callable[..., None]
@@ -49,6 +76,7 @@ class KernelSet(NamedTuple):
     # capture (None) or replay of a padded decode bucket in which the backend plans outside the
     # graph (None: it plans nothing; see cuda_graph.py)
     graph_bucket: Callable[[int, torch.Tensor, tuple | None], AbstractContextManager] | None = None
+    layers: LayerKernels | None = None  # the decoder's elementwise layers (None: torch; see above)
 
 
 def _torch_kernels() -> KernelSet:
@@ -151,8 +179,11 @@ __all__ = [
     "BACKEND_NAMES",
     "HostMetadata",
     "KernelSet",
+    "LAYER_KERNEL_NAMES",
+    "LayerKernels",
     "gather_input_ids",
     "get_kernels",
+    "get_layer_kernels",
     "paged_attention",
     "resolve_backend",
     "store_kv",
