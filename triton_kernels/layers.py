@@ -96,18 +96,20 @@ def _rotary_kernel(
     c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
     offs_h = tl.arange(0, BLOCK_H)[:, None]
-    mask = (offs_h < HQ) & d_ok[None, :]
-    q1_ptrs = q_ptr + token * stride_qt + offs_h * stride_qh + offs_d[None, :]
-    q1 = tl.load(q1_ptrs, mask=mask, other=0.0).to(tl.float32)
-    q2 = tl.load(q1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q1_ptrs, (q1 * c - q2 * s).to(dtype), mask=mask)
-    tl.store(q1_ptrs + HALF, (q2 * c + q1 * s).to(dtype), mask=mask)
-    mask = (offs_h < HK) & d_ok[None, :]
-    k1_ptrs = k_ptr + token * stride_kt + offs_h * stride_kh + offs_d[None, :]
-    k1 = tl.load(k1_ptrs, mask=mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(k1_ptrs, (k1 * c - k2 * s).to(dtype), mask=mask)
-    tl.store(k1_ptrs + HALF, (k2 * c + k1 * s).to(dtype), mask=mask)
+    q_ptrs = q_ptr + token * stride_qt + offs_h * stride_qh + offs_d[None, :]
+    _rotate_heads(q_ptrs, (offs_h < HQ) & d_ok[None, :], c, s, HALF)
+    k_ptrs = k_ptr + token * stride_kt + offs_h * stride_kh + offs_d[None, :]
+    _rotate_heads(k_ptrs, (offs_h < HK) & d_ok[None, :], c, s, HALF)
+
+
+@triton.jit
+def _rotate_heads(first_half_ptrs, mask, c, s, HALF: tl.constexpr):
+    """Rotate a token's heads in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    dtype = first_half_ptrs.dtype.element_ty
+    x1 = tl.load(first_half_ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first_half_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first_half_ptrs, (x1 * c - x2 * s).to(dtype), mask=mask)
+    tl.store(first_half_ptrs + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
 
 
 @triton.jit
