@@ -264,6 +264,43 @@ def test_loading_errors(qwen3_dir, tmp_path):
     save_file(weights, partial / "model.safetensors")
     with pytest.raises(ValueError, match="missing weights in .*model.norm.weight"):
         LLM(str(partial))
+    # parts of the merged projections are checked one by one, under their checkpoint names
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, partial / "model.safetensors")
+    with pytest.raises(ValueError, match="missing weights in .*model.layers.1.self_attn.k_proj.weight"):
+        LLM(str(partial))
+    weights = load_file(qwen3_dir / "model.safetensors")
+    weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"][:-1]
+    save_file(weights, partial / "model.safetensors")
+    with pytest.raises(ValueError, match="weight model.layers.0.mlp.up_proj.weight .* has shape"):
+        LLM(str(partial))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_checkpoint_tensors_tile_the_merged_parameters(arch, tmp_path):
+    """q/k/v and gate/up are merged projections: every checkpoint weight names exactly its rows,
+    with the checkpoint's shape, and together the names cover every parameter element once."""
+    from safetensors import safe_open
+
+    from minengine.models import load_model_config
+    from minengine.models.decoder import CausalLM
+
+    path = build_checkpoint(tmp_path / arch, arch)
+    cfg = load_model_config(str(path))
+    net = CausalLM(cfg, 64)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    views = net.checkpoint_tensors()
+    assert {name: tuple(t.shape) for name, t in views.items()} == shapes
+    assert any("qkv_proj" in name for name, _ in net.named_parameters())
+    with torch.no_grad():
+        for p in net.parameters():
+            p.zero_()
+        for view in views.values():
+            view.add_(1)
+    assert all(bool((p == 1).all()) for p in net.parameters())
 
 
 def test_chat_template_and_real_checkpoint(qwen3_dir):

@@ -93,6 +93,20 @@ def test_cache_layouts(kv_views, device, kernels):
     run_and_check(batch, torch.float16, kernels=kernels)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_as_view_of_a_merged_projection(dtype, device, kernels):
+    """The engine's q is the first heads of a merged q/k/v projection's rows: a view whose rows
+    are strided past its heads. The k/v columns after it are NaN, so reading past q's heads fails."""
+    batch = batch_for(MIXED_Q, MIXED_KV, dtype, device)
+    t, hq, d = batch.q.shape
+    qkv = torch.full((t, (hq + 2 * 2) * d), float("nan"), dtype=dtype, device=device)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    q.copy_(batch.q)
+    assert not q.is_contiguous()
+    batch.q = q
+    run_and_check(batch, dtype, kernels=kernels)
+
+
 def test_softmax_scale(device, kernels):
     run_and_check(batch_for([3, 1], [8, 9], torch.float32, device), torch.float32, softmax_scale=0.37, kernels=kernels)
 

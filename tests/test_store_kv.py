@@ -51,6 +51,19 @@ def test_store_kv_head_dims_and_separate_caches(head_dim, device, kernels):
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
 
+def test_store_kv_from_views_of_a_merged_projection(device, kernels):
+    """k and v as the engine passes them: views into one q/k/v projection output (rows strided)."""
+    k, v, k_cache, v_cache, slots = make_case(torch.bfloat16, 5, device)
+    t, hkv, d = k.shape
+    qkv = torch.randn(t, (3 + 2) * hkv * d, device=device).to(torch.bfloat16)
+    k_view = qkv[:, 3 * hkv * d : 4 * hkv * d].view(t, hkv, d)
+    v_view = qkv[:, 4 * hkv * d :].view(t, hkv, d)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k_view.contiguous(), v_view.contiguous(), k_ref, v_ref, slots)
+    kernels.store_kv(k_view, v_view, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 def test_store_kv_all_padding_and_empty(device, kernels):
     k, v, k_cache, v_cache, slots = make_case(torch.float16, 4, device)
     before = k_cache.clone()

@@ -94,7 +94,7 @@ def _weight_files(path: Path) -> list[Path]:
 def _load_safetensors(net: CausalLM, path: Path) -> None:
     from safetensors import safe_open
 
-    params = dict(net.named_parameters())
+    params = net.checkpoint_tensors()
     expected = set(params)
     loaded: set[str] = set()
     for file in _weight_files(path):

@@ -2,7 +2,9 @@
 
 Llama and Mistral are the plain form; Qwen2 adds a bias to the q/k/v projections; Qwen3 adds a
 per-head RMSNorm on q and k (and states head_dim explicitly). Parameter names follow the Hugging
-Face checkpoints, so loading is a name-for-name copy.
+Face checkpoints, except that q/k/v and gate/up are each one merged projection (one matmul, the
+input read once): ``CausalLM.checkpoint_tensors`` maps every checkpoint name to its parameter or
+to its rows of a merged one, and loading copies name for name into those.
 
 Attention reads and writes the paged KV cache through ``minengine.ops`` kernels; the batch is the
 engine's mixed batch (prefill chunks first, then decodes) described by ``ForwardBatch``.
@@ -16,7 +18,7 @@ import torch
 from torch import nn
 
 from minengine.models.config import ModelConfig
-from minengine.models.layers import MLP, RMSNorm, RotaryEmbedding
+from minengine.models.layers import MLP, MergedLinear, RMSNorm, RotaryEmbedding
 from minengine.ops import KernelSet
 
 
@@ -38,9 +40,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(cfg.hidden_size, parts, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -51,9 +53,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, kv: tuple[torch.Tensor, torch.Tensor], kernels: KernelSet
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)  # views: rows strided
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         layers = kernels.layers
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q, layers=layers), self.k_norm(k, layers=layers)
@@ -108,6 +111,25 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Hugging Face checkpoint name -> the tensor it fills: a parameter, or a merged parameter's
+        rows (a view), in parameter order (a merged parameter's parts in its order); a tied
+        ``lm_head.weight`` is left out, as ``named_parameters`` leaves it."""
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for prefix, module in self.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if isinstance(module, MergedLinear):
+                    parent = prefix.rpartition(".")[0]
+                    for part, view in module.part_views(param).items():
+                        out[f"{parent}.{part}.{name}"] = view
+                else:
+                    out[f"{prefix}.{name}" if prefix else name] = param
+        return out
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kernels: KernelSet):

@@ -1,4 +1,5 @@
-"""Building blocks of Llama-style decoders: RMSNorm, rotary embedding (default and llama3), MLP.
+"""Building blocks of Llama-style decoders: RMSNorm, rotary embedding (default and llama3), MLP,
+and the merged projections (q/k/v, gate/up) that read the input once.
 
 Each takes the step's ``LayerKernels`` (``minengine.ops``): None runs the torch code here (the
 reference: several kernels per call), otherwise their fused kernels (one launch per call).
@@ -81,15 +82,33 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+class MergedLinear(nn.Linear):
+    """Several projections of one input as one matmul: their weights (and biases) stacked along the
+    output dim, in ``parts`` order. Checkpoints store the parts under their own names
+    (``q_proj``, ...): ``part_views`` names the rows each one fills."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+    @property
+    def sizes(self) -> list[int]:
+        return list(self.parts.values())
+
+    def part_views(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each part's rows of ``param`` (this module's weight or bias), as views."""
+        return dict(zip(self.parts, param.split(self.sizes), strict=True))
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.intermediate = intermediate
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": intermediate, "up_proj": intermediate}, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, layers: LayerKernels | None = None) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         if layers is not None:
             return self.down_proj(layers.silu_and_mul(gate, up))
         return self.down_proj(nn.functional.silu(gate) * up)

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from minengine.models.config import ModelConfig
+from minengine.models.decoder import CausalLM
 from minengine.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
@@ -74,9 +75,10 @@ _BYTE_OF = _byte_table()
 
 
 @torch.no_grad()
-def init_random_weights(model: torch.nn.Module, seed: int = SEED) -> None:
-    """Norms 1, everything else N(0, 0.02), drawn on the parameters' device from ``seed``."""
-    for i, (name, param) in enumerate(model.named_parameters()):
+def init_random_weights(model: CausalLM, seed: int = SEED) -> None:
+    """Norms 1, everything else N(0, 0.02), drawn on the parameters' device from ``seed``: one
+    generator per checkpoint tensor, so merging projections does not change the weights."""
+    for i, (name, param) in enumerate(model.checkpoint_tensors().items()):
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:

@@ -348,6 +348,9 @@ class FlashInferBackend:
         from triton_kernels.contract import check_paged_attention
 
         check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
+        # The engine's q is a view of its merged q/k/v projection (rows strided). FlashInfer's FA2
+        # kernels read q's strides, but not every path behind its wrappers does: one small copy.
+        q = q.contiguous()
         if self._graph is not None:
             result = self._graph_run(q, k_cache, v_cache, softmax_scale)
         else:
