@@ -35,9 +35,10 @@ SCRIPT = textwrap.dedent(
     out["gather"] = aot.resources(aot.compile_gather(90, torch.int64, torch.int32))
     out["rms_norm_4096"] = aot.resources(aot.compile_rms_norm(90, bf16, 4096, True))
     out["rms_norm_8192"] = aot.resources(aot.compile_rms_norm(80, bf16, 8192, True))
-    out["rms_norm_qk"] = aot.resources(aot.compile_rms_norm(90, bf16, 128, False))
     out["rotary"] = aot.resources(aot.compile_rotary(90, bf16, 64, 8, 128))
     out["rotary_odd"] = aot.resources(aot.compile_rotary(80, fp32, 5, 1, 80))
+    out["rotary_qk_norm"] = aot.resources(aot.compile_rotary(90, bf16, 64, 8, 128, norm=True))
+    out["rotary_qk_norm_sm80"] = aot.resources(aot.compile_rotary(80, fp16, 16, 8, 128, norm=True))
     out["silu_and_mul"] = aot.resources(aot.compile_silu_and_mul(90, bf16))
     print(json.dumps(out))
     """
@@ -49,7 +50,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    layers = ("rms_norm_4096", "rms_norm_8192", "rms_norm_qk", "rotary", "silu_and_mul")
+    layers = ("rms_norm_4096", "rms_norm_8192", "rotary", "rotary_qk_norm", "rotary_qk_norm_sm80", "silu_and_mul")
     for name in ("sm90_prefill", "sm90_decode", "sm90_split", "sm80_prefill", "merge", "store_kv", "gather", *layers):
         assert res[name]["spill_bytes"] == 0, (name, res[name])
     assert res["sm90_prefill"]["mma"] == "HGMMA"  # Hopper wgmma for prefill tiles

@@ -88,6 +88,47 @@ def test_rotary_in_place(dtype, heads, head_dim, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, head_dim", [((4, 2), 32), ((5, 1), 80), ((2, 2), 128)])
+def test_rotary_with_qk_norms(dtype, heads, head_dim, device):
+    """Qwen3's per-head q/k RMSNorms fused into the rotary launch, on views of one projection
+    output: against float64 (norm, rounded as RMSNorm rounds, then the rotation) and the modules."""
+    hq, hk = heads
+    t, max_pos, eps = 7, 32, 1e-6
+    rope = RotaryEmbedding(head_dim, max_pos, 1e6, None).to(device)
+    norms = tuple(RMSNorm(head_dim, eps).to(device=device, dtype=dtype) for _ in range(2))
+    for norm in norms:
+        norm.weight.data.copy_(1 + 0.2 * torch.randn(head_dim, device=device))
+    qkv = (3 * torch.randn(t, (hq + 2 * hk) * head_dim, device=device)).to(dtype)
+    q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(t, hk, head_dim)
+    positions = torch.randint(0, max_pos, (t,), device=device)
+    want_q, want_k = rope(positions, q.clone(), k.clone(), None, norms)  # the torch code
+    half = head_dim // 2
+    c = rope.cos[positions, :half].to(dtype).double()[:, None]
+    s = rope.sin[positions, :half].to(dtype).double()[:, None]
+
+    def ref(x, weight):  # exact but for the two roundings RMSNorm makes; and each term's size
+        xd = x.double()
+        y = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)).to(dtype).double()
+        y = (weight.double() * y).to(dtype).double()
+        y1, y2 = y[..., :half], y[..., half:]
+        pair = y1.abs() + y2.abs()
+        return torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], -1), torch.cat([pair, pair], -1)
+
+    (exact_q, scale_q), (exact_k, scale_k) = ref(q, norms[0].weight), ref(k, norms[1].weight)
+    v_before = qkv[:, (hq + hk) * head_dim :].clone()
+    kernels = get_layer_kernels("triton", device)
+    out_q, out_k = rope(positions, q, k, kernels, norms)
+    assert out_q is q and out_k is k  # in place, on the views
+    ulps = 4
+    close(q, exact_q, dtype, ulps=ulps, scale=scale_q)
+    close(k, exact_k, dtype, ulps=ulps, scale=scale_k)
+    close(q, want_q, dtype, ulps=ulps, scale=scale_q)
+    close(k, want_k, dtype, ulps=ulps, scale=scale_k)
+    assert torch.equal(qkv[:, (hq + hk) * head_dim :], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, width", [(0, 8), (3, 7), (4, 1500)])
 def test_silu_and_mul(dtype, rows, width, device):
     gate_up = torch.randn(rows, 2 * width, device=device).to(dtype)
@@ -120,6 +161,10 @@ def test_contract_checks_name_the_value_and_what_is_allowed(device):
         (lambda: fused.rotary(pos, q, q[:, :2].half(), cos, cos), r"q and k must share a dtype"),
         (lambda: fused.rotary(pos, q, q[:, :2], cos[:, :4], cos[:, :4]), r"cos must be contiguous float32"),
         (lambda: fused.rotary(pos, q, q[:1], cos, cos), r"q and k must be \[T, Hq, D\] and \[T, Hk, D\]"),
+        (lambda: fused.rotary(pos, q, q[:, :2], cos, cos, w[:6]), r"k_weight must be contiguous \[6\] .* got None"),
+        (lambda: fused.rotary(pos, q, q[:, :2], cos, cos, w, w[:6]), r"q_weight must be contiguous \[6\] .* \(8,\)"),
+        (lambda: fused.rotary(pos, q, q[:, :2], cos, cos, w[:6], w[:6].half()), r"k_weight .* torch.float16"),
+        (lambda: fused.rotary(pos, q, q[:, :2], cos, cos, w[:6], w[:6], -1.0), r"eps is -1.0; allowed: a number >= 0"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -145,7 +190,13 @@ def test_modules_dispatch_to_the_layer_kernels(device):
     ours, theirs = stream.clone(), stream.clone()
     close(norm(x, ours, counted), norm(x, theirs), torch.float32, ulps=16)
     assert torch.equal(ours, theirs)  # both streams hold x + stream
-    assert calls == ["silu_and_mul", "rms_norm"]
+    rope = RotaryEmbedding(8, 16, 10000.0, None).to(device)
+    qk_norms = (RMSNorm(8, 1e-6).to(device), RMSNorm(8, 1e-6).to(device))
+    q, k, positions = torch.randn(5, 4, 8, device=device), torch.randn(5, 2, 8, device=device), torch.arange(5)
+    want = rope(positions.to(device), q, k, None, qk_norms)
+    for got, ref in zip(rope(positions.to(device), q.clone(), k.clone(), counted, qk_norms), want, strict=True):
+        close(got, ref, torch.float32, ulps=16)
+    assert calls == ["silu_and_mul", "rms_norm", "rotary"]  # the q/k norms ride in the rotary launch
     assert get_layer_kernels("auto", "cpu") is None and get_layer_kernels("torch", device) is None
 
 

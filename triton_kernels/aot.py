@@ -138,9 +138,11 @@ def compile_rms_norm(arch: int, dtype: torch.dtype, width: int, residual: bool):
     )
 
 
-def compile_rotary(arch: int, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int):
+def compile_rotary(
+    arch: int, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, norm: bool = False
+):
     elem = "*" + TRITON_TYPES[dtype]
-    types = dict(pos_ptr="*i64", q_ptr=elem, k_ptr=elem, cos_ptr="*fp32", sin_ptr="*fp32")
+    types = dict(pos_ptr="*i64", q_ptr=elem, k_ptr=elem, cos_ptr="*fp32", sin_ptr="*fp32", qw_ptr=elem, kw_ptr=elem)
     half = head_dim // 2
     constexprs = dict(
         HQ=num_q_heads,
@@ -148,7 +150,9 @@ def compile_rotary(arch: int, dtype: torch.dtype, num_q_heads: int, num_kv_heads
         HALF=half,
         BLOCK_H=triton.next_power_of_2(max(num_q_heads, num_kv_heads)),
         BLOCK_HALF=triton.next_power_of_2(half),
+        HAS_NORM=norm,
     )
+    types["eps"] = "fp32"
     return compile_for_target(_rotary_kernel, types | _strides(_rotary_kernel), constexprs, arch, num_warps=4)
 
 

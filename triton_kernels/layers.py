@@ -1,5 +1,5 @@
 """The decoder's elementwise layers, each one launch: RMSNorm (with the residual add fused in),
-rotary embedding of q and k, and SiLU-and-multiply.
+rotary embedding of q and k (with Qwen3's per-head q/k RMSNorm fused in), and SiLU-and-multiply.
 
 Left to torch, a Llama layer runs about 30 small elementwise kernels besides its matmuls and
 attention (an RMSNorm alone is eight); under a CUDA graph each still costs a few microseconds of
@@ -22,6 +22,10 @@ Contracts::
         cos, sin   float32 [max_positions, D] contiguous; the first D / 2 columns are read (the
                    Llama tables repeat them): x1, x2 = halves of a head, c, s = cos, sin at its position:
                    (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), c and s rounded to q's dtype first
+
+    rotary(positions, q, k, cos, sin, q_weight, k_weight, eps) -> None   (Qwen3's q/k norms fused)
+        q_weight, k_weight  [D] q's dtype, contiguous (both or neither): each head of q (k) is first
+                   RMS-normalised over D and scaled by q_weight (k_weight), as rms_norm rounds, then rotated
 
     silu_and_mul(gate, up) -> out
         gate, up  [rows, n]   one dtype, last dim contiguous
@@ -77,16 +81,20 @@ def _rotary_kernel(
     k_ptr,
     cos_ptr,
     sin_ptr,
+    qw_ptr,
+    kw_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
     stride_cos,
+    eps,
     HQ: tl.constexpr,
     HK: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token)
@@ -97,17 +105,24 @@ def _rotary_kernel(
     s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     q_ptrs = q_ptr + token * stride_qt + offs_h * stride_qh + offs_d[None, :]
-    _rotate_heads(q_ptrs, (offs_h < HQ) & d_ok[None, :], c, s, HALF)
+    _rotate_heads(q_ptrs, (offs_h < HQ) & d_ok[None, :], c, s, qw_ptr + offs_d, d_ok, eps, HALF, HAS_NORM)
     k_ptrs = k_ptr + token * stride_kt + offs_h * stride_kh + offs_d[None, :]
-    _rotate_heads(k_ptrs, (offs_h < HK) & d_ok[None, :], c, s, HALF)
+    _rotate_heads(k_ptrs, (offs_h < HK) & d_ok[None, :], c, s, kw_ptr + offs_d, d_ok, eps, HALF, HAS_NORM)
 
 
 @triton.jit
-def _rotate_heads(first_half_ptrs, mask, c, s, HALF: tl.constexpr):
-    """Rotate a token's heads in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+def _rotate_heads(first_half_ptrs, mask, c, s, w_ptrs, d_ok, eps, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Rotate a token's heads in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s); with HAS_NORM each
+    head is first RMS-normalised and scaled by the weight at ``w_ptrs`` (rounded as RMSNorm rounds)."""
     dtype = first_half_ptrs.dtype.element_ty
     x1 = tl.load(first_half_ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first_half_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptrs, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptrs + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     tl.store(first_half_ptrs, (x1 * c - x2 * s).to(dtype), mask=mask)
     tl.store(first_half_ptrs + HALF, (x2 * c + x1 * s).to(dtype), mask=mask)
 
@@ -169,7 +184,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out
 
 
-def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> None:
     _check_float("q", q)
     _check_float("k", k)
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
@@ -187,7 +211,15 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
                              f"{tuple(table.shape)}")  # fmt: skip
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    check_runnable(positions, q, k, cos, sin)
+    norm = q_weight is not None or k_weight is not None
+    if norm:
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if w is None or w.shape != (d,) or w.dtype != q.dtype or not w.is_contiguous():
+                got = "None" if w is None else f"{tuple(w.shape)} {w.dtype}"
+                raise ValueError(f"{name} must be contiguous [{d}] (the head dim) of q's dtype {q.dtype}, got {got}")
+        if not eps >= 0:
+            raise ValueError(f"eps is {eps!r}; allowed: a number >= 0")
+    check_runnable(positions, q, k, cos, sin, *((q_weight, k_weight) if norm else ()))
     if t == 0:
         return
     if debug_checks() and not bool(((positions >= 0) & (positions < cos.shape[0])).all()):
@@ -195,9 +227,10 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
         raise ValueError(f"position {bad} is outside the rotary tables [0, {cos.shape[0]})")
     half = d // 2
     _rotary_kernel[(t,)](
-        positions, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        positions, q, k, cos, sin, q_weight if norm else q, k_weight if norm else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), float(eps),
         HQ=hq, HK=k.shape[1], HALF=half, BLOCK_H=triton.next_power_of_2(max(hq, k.shape[1])),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=norm, num_warps=4,
     )  # fmt: skip
 
 

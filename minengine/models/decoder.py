@@ -57,10 +57,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        layers = kernels.layers
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q, layers=layers), self.k_norm(k, layers=layers)
-        q, k = self.rotary[0](batch.positions, q, k, layers)
+        norms = (self.q_norm, self.k_norm) if hasattr(self, "q_norm") else None
+        q, k = self.rotary[0](batch.positions, q, k, kernels.layers, norms)
         k_cache, v_cache = kv
         kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = kernels.paged_attention(

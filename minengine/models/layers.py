@@ -66,12 +66,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layers: LayerKernels | None = None
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        layers: LayerKernels | None = None,
+        norms: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D] and k [T, Hk, D] rotated (in place by the fused kernel)."""
+        """q [T, Hq, D] and k [T, Hk, D] rotated (in place by the fused kernel); with ``norms``
+        (Qwen3's per-head q and k RMSNorms) each head is normalised first, fused into the same launch."""
         if layers is not None:
-            layers.rotary(positions, q, k, self.cos, self.sin)
+            if norms is None:
+                layers.rotary(positions, q, k, self.cos, self.sin)
+            else:
+                q_norm, k_norm = norms
+                if q_norm.eps != k_norm.eps:
+                    raise ValueError(f"q and k norms must share eps, got {q_norm.eps} and {k_norm.eps}")
+                layers.rotary(positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
             return q, k
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

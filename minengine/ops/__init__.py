@@ -47,7 +47,7 @@ class LayerKernels(NamedTuple):
     """The decoder's fused elementwise layers (contracts in ``triton_kernels/layers.py``)."""
 
     rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps, residual=None) -> out; residual += x in place
-    rotary: Callable[..., None]  # (positions, q, k, cos, sin): q and k rotated in place
+    rotary: Callable[..., None]  # (positions, q, k, cos, sin[, q_weight, k_weight, eps]): in place
     silu_and_mul: Callable[..., torch.Tensor]  # (gate, up) -> silu(gate) * up
 
 
