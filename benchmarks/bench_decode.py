@@ -9,9 +9,10 @@ and 4k: fill the batch (prompts of that length), then time steady-state decode s
 
 Target: step time <= 1.25 x roofline at batch >= 16. Idle time: a torch-profiler trace of
 decode steps; idle = 1 - (union of GPU kernel intervals) / (trace window), with overlap
-scheduling on and off. Target: < 5 % idle with overlap on. Last, unless ``--no-layer-ablation``,
-the step time again with the decoder's elementwise layers left to torch (``--layer-kernels torch``:
-about 30 small kernels per layer instead of 4 fused ones). Writes JSON + markdown.
+scheduling on and off. Target: < 5 % idle with overlap on. The same trace gives the GPU-busy
+time and the GPU kernels (and copies) per step. Last, unless ``--no-layer-ablation``, the step time
+and kernel count again with the decoder's elementwise layers left to torch (``--layer-kernels
+torch``: about 30 small kernels per layer instead of 4 fused ones). Writes JSON + markdown.
 
     python benchmarks/bench_decode.py
     python benchmarks/bench_decode.py --smoke --out /tmp/bench   # tiny shapes on CPU: checks the script
@@ -98,8 +99,10 @@ def time_steps(llm, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def idle_fraction(llm, steps: int) -> float | None:
-    """1 - busy/window from a profiler trace of ``steps`` decode steps (CUDA only)."""
+def trace_steps(llm, steps: int) -> dict | None:
+    """From a profiler trace of ``steps`` decode steps (CUDA only): ``idle`` = 1 - busy/window,
+    ``busy_ms`` = GPU-busy time per step (the union of kernel and copy intervals) and ``kernels``
+    = GPU activities (kernels, copies, memsets) per step; graph replays count each node."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -109,11 +112,17 @@ def idle_fraction(llm, steps: int) -> float | None:
         for _ in range(steps):
             llm.engine.step()
         sync()
-    spans = sorted(
+    spans = [
         (e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
+    ]
+    return summarize_spans(spans, steps)
+
+
+def summarize_spans(spans: list[tuple[float, float]], steps: int) -> dict | None:
+    """``trace_steps``' numbers from GPU activity intervals (microseconds) over ``steps`` steps."""
+    spans = sorted(spans)
     if not spans:
         return None
     busy, cur_start, cur_end = 0, *spans[0]
@@ -124,7 +133,8 @@ def idle_fraction(llm, steps: int) -> float | None:
         else:
             cur_end = max(cur_end, e)
     busy += cur_end - cur_start
-    return 1 - busy / (spans[-1][1] - spans[0][0])
+    window = spans[-1][1] - spans[0][0]
+    return {"idle": 1 - busy / window, "busy_ms": busy / steps / 1e3, "kernels": len(spans) / steps}
 
 
 def decode_weight_bytes(model: torch.nn.Module, batch: int) -> int:
@@ -148,9 +158,9 @@ def markdown(report: dict) -> str:
         *header("bench_decode", report),
         f"- copy bandwidth {report['copy_gbps']:.0f} GB/s (read + write); model {report['config']['model']}",
         "",
-        "| batch | context | step ms | roofline ms | x roofline | idle, overlap on | idle, overlap off "
-        "| step ms, torch layers |",
-        "|---|---|---|---|---|---|---|---|",
+        "| batch | context | step ms | roofline ms | x roofline | GPU busy ms | kernels/step "
+        "| idle, overlap on | idle, overlap off | step ms, torch layers | kernels/step, torch layers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def pct(v: float | None) -> str:
@@ -159,16 +169,21 @@ def markdown(report: dict) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}"
 
+    def count(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
     for r in report["rows"]:
         if "skipped" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} |" + " |" * 8)
         elif "step_ms" not in r:
-            lines.append(f"| {r['batch']} | {r['context']} | not measured | | | | | |")
+            lines.append(f"| {r['batch']} | {r['context']} | not measured |" + " |" * 8)
         else:
             lines.append(
                 f"| {r['batch']} | {r['context']} | {r['step_ms']:.3f} | {r['roofline_ms']:.3f} | "
-                f"{r['step_ms'] / r['roofline_ms']:.2f} | {pct(r.get('idle_overlap'))} | "
-                f"{pct(r.get('idle_no_overlap'))} | {ms(r.get('step_ms_torch_layers'))} |"
+                f"{r['step_ms'] / r['roofline_ms']:.2f} | {ms(r.get('gpu_busy_ms'))} | "
+                f"{count(r.get('kernels_per_step'))} | {pct(r.get('idle_overlap'))} | "
+                f"{pct(r.get('idle_no_overlap'))} | {ms(r.get('step_ms_torch_layers'))} | "
+                f"{count(r.get('kernels_per_step_torch_layers'))} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -220,11 +235,16 @@ def main(argv: list[str] | None = None) -> dict:
                     row["step_ms"] = time_steps(llm, args.steps) * 1e3
                     weights = decode_weight_bytes(llm.engine.model, batch)
                     row["roofline_ms"] = roofline_seconds(cfg, batch, context, copy_gbps, weights) * 1e3
-                    row["idle_overlap"] = idle_fraction(llm, args.steps)
+                    if trace := trace_steps(llm, args.steps):
+                        row["idle_overlap"] = trace["idle"]
+                        row["gpu_busy_ms"], row["kernels_per_step"] = trace["busy_ms"], trace["kernels"]
                 elif name == "no-overlap":
-                    row["idle_no_overlap"] = idle_fraction(llm, args.steps)
+                    if trace := trace_steps(llm, args.steps):
+                        row["idle_no_overlap"] = trace["idle"]
                 else:
                     row["step_ms_torch_layers"] = time_steps(llm, args.steps) * 1e3
+                    if trace := trace_steps(llm, args.steps):
+                        row["kernels_per_step_torch_layers"] = trace["kernels"]
                 drain(llm, reqs)
                 print(json.dumps(row), flush=True)
                 write()

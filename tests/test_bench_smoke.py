@@ -91,7 +91,17 @@ def test_bench_decode_smoke(tmp_path):
     report = bench.main(["--smoke", "--out", str(tmp_path)])
     assert [(r["batch"], r["context"]) for r in report["rows"]] == [(1, 16), (3, 16)]
     assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in report["rows"])
-    assert (tmp_path / "decode_smoke.md").is_file()
+    table = [line for line in (tmp_path / "decode_smoke.md").read_text().splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in table}) == 1  # every row has the header's cells
+
+
+def test_bench_decode_trace_numbers():
+    """Idle time, GPU-busy time per step and activities per step from (overlapping) intervals."""
+    bench = load_bench("bench_decode")
+    spans = [(30, 50), (0, 10), (5, 20), (60, 100)]  # busy 20 + 20 + 40 of a 100 us window
+    got = bench.summarize_spans(spans, steps=2)
+    assert got == {"idle": pytest.approx(0.2), "busy_ms": pytest.approx(0.04), "kernels": 2}
+    assert bench.summarize_spans([], steps=2) is None
 
 
 def test_bench_frontend_smoke(tmp_path):
