@@ -217,22 +217,32 @@ def test_engine_with_triton_layer_kernels_matches_torch_layers(arch, tmp_path):
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
 
 
+def first_step_logits(model: str, device: str, dtype: str, layer_kernels: str) -> torch.Tensor:
+    """The logits of the engine's first (prefill) step over ``PROMPTS``."""
+    llm = LLM(model, device=device, dtype=dtype, layer_kernels=layer_kernels, disable_cuda_graph=True)
+    assert (llm.engine.runner.kernels.layers is not None) == (layer_kernels != "torch")
+    runner, seen = llm.engine.runner, []
+    real = runner.model.forward
+    runner.model.forward = lambda *a: seen.append(real(*a)) or seen[-1]
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    llm.shutdown()
+    return seen[0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_layer_kernels_on_gpu_match_the_torch_layers(dtype):
-    """On CUDA ``auto`` picks the fused layers; the logits of a prefill step stay within the
-    rounding of the torch layers' (greedy tokens may flip on near-ties, so logits are compared)."""
+@pytest.mark.parametrize("arch", ["tiny", "qwen3"])
+def test_layer_kernels_on_gpu_are_as_accurate_as_the_torch_layers(dtype, arch, tmp_path):
+    """On CUDA ``auto`` picks the fused layers. Against float32 logits of a prefill step, the fused
+    layers' half-precision logits are about as close as the torch layers' (greedy tokens may flip
+    on near-ties, so logits are compared). qwen3: its q/k norms run inside the rotary launch.
+    (Under the interpreter bf16 is truncated, not rounded, so this is a GPU test.)"""
+    from checkpoints import build_checkpoint
+
     from minengine.ops.testing import relative_error
 
-    fused_llm = LLM("tiny", device="cuda", dtype=dtype, disable_cuda_graph=True)
-    assert fused_llm.engine.runner.kernels.layers is not None
-    torch_llm = LLM("tiny", device="cuda", dtype=dtype, disable_cuda_graph=True, layer_kernels="torch")
-    logits = []
-    for llm in (fused_llm, torch_llm):
-        runner = llm.engine.runner
-        real = runner.model.forward
-        seen = []
-        runner.model.forward = lambda *a, real=real, seen=seen: seen.append(real(*a)) or seen[-1]
-        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1))
-        logits.append(seen[0])
-    assert relative_error(logits[0], logits[1]) < 2e-2
+    model = "tiny" if arch == "tiny" else str(build_checkpoint(tmp_path / arch, arch))
+    want = first_step_logits(model, "cuda", "float32", "torch")
+    fused_err = relative_error(first_step_logits(model, "cuda", dtype, "auto"), want)
+    torch_err = relative_error(first_step_logits(model, "cuda", dtype, "torch"), want)
+    assert fused_err <= 1.3 * torch_err + 1e-3, (fused_err, torch_err)
