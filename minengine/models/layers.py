@@ -78,10 +78,8 @@ class RotaryEmbedding(nn.Module):
         if layers is not None:
             if norms is None:
                 layers.rotary(positions, q, k, self.cos, self.sin)
-            else:
+            else:  # the decoder builds both norms with the config's one eps
                 q_norm, k_norm = norms
-                if q_norm.eps != k_norm.eps:
-                    raise ValueError(f"q and k norms must share eps, got {q_norm.eps} and {k_norm.eps}")
                 layers.rotary(positions, q, k, self.cos, self.sin, q_norm.weight, k_norm.weight, q_norm.eps)
             return q, k
         if norms is not None:
