@@ -27,6 +27,9 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,7 +137,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
         row["rel_err_vs_fp64"] = relative_error(ours(), ref)
         if not args.no_torch:
             row["torch_ms"] = bench(lambda: reference.paged_attention(*batch.args(), out=out))
-        if flashinfer_ref.available():
+        if use_flashinfer(args):
             baselines = {"flashinfer": flashinfer_ref.FlashInferPagedAttention}
             if pod_applies(case.q_lens):
                 baselines["flashinfer_pod"] = flashinfer_ref.FlashInferPOD
@@ -193,6 +196,101 @@ def pod_applies(q_lens: tuple[int, ...]) -> bool:
     return any(n > 1 for n in q_lens) and any(n == 1 for n in q_lens)
 
 
+def use_flashinfer(args: argparse.Namespace) -> bool:
+    from minengine.ops import flashinfer_ref
+
+    return not args.no_flashinfer and flashinfer_ref.available()
+
+
+def flashinfer_in_grid(args: argparse.Namespace, shape: str, page: int, dtype: torch.dtype) -> bool:
+    """Whether FlashInfer runs on a grid config (--flashinfer-grid target: the targets' configs only)."""
+    target = shape == "llama3-8b" and page == 16 and dtype == torch.bfloat16
+    return page in (16, 64) and (args.flashinfer_grid == "all" or target)
+
+
+# A small batch of each kind: building a baseline on it JIT-compiles the modules the kind needs
+# (FlashInfer's modules depend on dtype, head dims and wrapper, not on lengths or page size)
+WARMUP_BATCHES = {"decode": ((1, 1), (40, 33)), "prefill": ((24,), (40,)), "mixed": ((24, 1), (40, 33))}
+
+
+def batch_kind(q_lens: tuple[int, ...]) -> str:
+    if all(n == 1 for n in q_lens):
+        return "decode"
+    return "mixed" if pod_applies(q_lens) else "prefill"
+
+
+def flashinfer_builds(args: argparse.Namespace, selected: list[Case]) -> list[tuple]:
+    """(dtype, Hq, Hkv, D, kind, baseline) of every FlashInfer baseline this run builds, each once."""
+    wanted = [("bfloat16", args.num_q_heads, args.num_kv_heads, args.head_dim, c.q_lens) for c in selected
+              if c.split_at is None]  # fmt: skip
+    if args.suite == "full":
+        for shape, page, dtype, kind in grid_configs(args.smoke):
+            if flashinfer_in_grid(args, shape, page, dtype):
+                wanted.append((str(dtype).split(".")[-1], *GRID_SHAPES[shape], GRID_KINDS[kind][0]))
+    builds = []
+    for dtype, hq, hkv, d, q_lens in wanted:
+        kind = batch_kind(q_lens)
+        for baseline in ("paged", "pod") if kind == "mixed" else ("paged",):
+            if (item := (dtype, hq, hkv, d, kind, baseline)) not in builds:
+                builds.append(item)
+    return builds
+
+
+def build_baseline(item: tuple | list, device: torch.device) -> None:
+    """Build one FlashInfer baseline on a small batch and run it once (its JIT modules land in
+    FlashInfer's on-disk cache, where the timed run finds them)."""
+    from minengine.ops import flashinfer_ref
+    from minengine.ops.testing import make_paged_batch
+
+    dtype, hq, hkv, d, kind, baseline = item
+    q_lens, kv_lens = WARMUP_BATCHES[kind]
+    batch = make_paged_batch(list(q_lens), list(kv_lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             page_size=16, dtype=getattr(torch, dtype), device=device, poison=False)  # fmt: skip
+    make = flashinfer_ref.FlashInferPOD if baseline == "pod" else flashinfer_ref.FlashInferPagedAttention
+    make(*batch.args()[:6]).run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warm_flashinfer(
+    builds: list[tuple], seconds: float, command: Callable[[tuple], list[str]] | None = None, parallel: int = 4
+) -> dict:
+    """Build the baselines in up to ``parallel`` processes at once, so FlashInfer's JIT compiles
+    (minutes each on first use, one nvcc per source of a module) overlap instead of queueing inside
+    the timed run. Each process has a session of its own, killed whole (its nvcc jobs too) at
+    ``seconds`` or on a stop. Returns what failed and whether all finished in time (if not, the
+    caller runs without FlashInfer)."""
+    command = command or (lambda item: [sys.executable, __file__, "--build-flashinfer", json.dumps(item)])
+    start = time.monotonic()
+    queue = [(" ".join(map(str, item)), item) for item in builds]
+    running, failed = {}, {}  # name -> (process, its log file)
+    result = lambda finished: {"seconds": round(time.monotonic() - start, 1), "finished": finished, "failed": failed}  # noqa: E731
+    with tempfile.TemporaryDirectory() as logs:
+        try:
+            while queue or running:
+                while queue and len(running) < parallel:
+                    name, item = queue.pop(0)
+                    path = Path(logs) / f"{len(builds) - len(queue)}.log"
+                    with open(path, "w") as log:  # the child has its own descriptor of it
+                        proc = subprocess.Popen(command(item), start_new_session=True, stdout=log, stderr=log)
+                    running[name] = proc, path
+                if time.monotonic() - start > seconds:
+                    return result(False)
+                for name, (proc, path) in list(running.items()):
+                    if proc.poll() is not None:
+                        del running[name]
+                        if proc.returncode != 0:  # the last line (the exception) says why
+                            lines = path.read_text().strip().splitlines() or [f"exit {proc.returncode}"]
+                            failed[name] = lines[-1][:300]
+                time.sleep(0.1)
+            return result(True)
+        finally:
+            for proc, _ in running.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 def sdpa_on_gathered(batch):
     """torch SDPA per sequence on K/V gathered out of the pages (a common baseline)."""
     import torch.nn.functional as F
@@ -248,9 +346,8 @@ def measure_config(
         for impl in ("auto", "simt") + (("wgmma",) if hopper and d <= 128 else ()):
             name = "cuda" if impl == "auto" else f"cuda-{impl}"
             runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
-    target = shape_name == "llama3-8b" and page == 16 and dtype == torch.bfloat16
     checks = {}  # backends whose timed run does not return our layout: what to check instead
-    if flashinfer_ref.available() and page in (16, 64) and (args.flashinfer_grid == "all" or target):
+    if use_flashinfer(args) and flashinfer_in_grid(args, shape_name, page, dtype):
         baselines = {"flashinfer": flashinfer_ref.FlashInferPagedAttention}
         if pod_applies(q_lens):
             baselines["flashinfer-pod"] = flashinfer_ref.FlashInferPOD
@@ -316,6 +413,9 @@ def run_grid(
             left_out += [name(c) for c in configs[i:]]
             print(f"stopped by SIGTERM during {name(config)}", flush=True)
             break
+        except Exception as exc:  # noqa: BLE001  (one config's failure is reported, the grid goes on)
+            left_out.append(f"{name(config)} (failed: {type(exc).__name__}: {str(exc)[:200]})")
+            print(f"failed: {left_out[-1]}", flush=True)
     if left_out:
         print(f"time budget spent: {len(left_out)} grid configs left out", flush=True)
     return rows, left_out
@@ -346,6 +446,14 @@ def markdown(report: dict) -> str:
     lines = [*header("bench_attention", report)]
     if report.get("stopped_during"):
         lines.append(f"- STOPPED by the time limit during {report['stopped_during']}: the rest was not measured")
+    if jit := report.get("flashinfer_jit"):
+        state = "done" if jit["finished"] else "NOT finished: FlashInfer left out of this run"
+        failed = "".join(f"; failed: {k}: {v}" for k, v in jit["failed"].items())
+        lines.append(
+            f"- FlashInfer JIT builds ({jit['builds']}, in parallel): {state} after {jit['seconds']} s{failed}"
+        )
+    for name, why in report.get("failed_cases", {}).items():
+        lines.append(f"- case {name} FAILED: {why}")
     if ceil:
         lines.append(
             f"- ceilings: copy {ceil['copy_gbps']:.0f} GB/s (read + write), "
@@ -387,7 +495,10 @@ def markdown(report: dict) -> str:
             )
     if report.get("grid_left_out"):
         left = report["grid_left_out"]
-        lines += ["", f"Left out by --time-budget ({len(left)} grid configs): " + "; ".join(left)]
+        lines += [
+            "",
+            f"Left out ({len(left)} grid configs; by --time-budget unless it says failed): " + "; ".join(left),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -450,6 +561,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown results")
     parser.add_argument("--cases", default="abcde", help="which cases to run, e.g. 'ad'")
     parser.add_argument("--no-torch", action="store_true", help="skip timing the (slow) torch reference")
+    parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even where it is importable")
+    parser.add_argument(
+        "--flashinfer-warmup",
+        type=float,
+        default=360,
+        metavar="SECONDS",
+        help="on a GPU, first build every FlashInfer baseline the run uses, in parallel processes (its JIT "
+        "compiles take minutes each); if they are not done within SECONDS, the run goes on without FlashInfer",
+    )
+    parser.add_argument("--build-flashinfer", default=None, help=argparse.SUPPRESS)  # one warm-up process's item
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -476,10 +597,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="with --suite full: write minengine/ops/tuning/<device>.json, the per-shape choice of `auto`",
     )
     args = parser.parse_args(argv)
-    deadline = None
-    if args.time_budget is not None:  # under a time limit: its SIGTERM ends the grid, not the run
-        deadline = time.monotonic() + args.time_budget
-        signal.signal(signal.SIGTERM, _stop)
+    if args.build_flashinfer is not None:  # a process of warm_flashinfer
+        build_baseline(json.loads(args.build_flashinfer), torch.device("cuda"))
+        return {}
+    # SIGTERM (a caller's time limit) ends what is being measured, and the report is still written
+    signal.signal(signal.SIGTERM, _stop)
+    deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
 
     if args.smoke and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -493,29 +616,47 @@ def main(argv: list[str] | None = None) -> dict:
     selected = [c for c in cases(256 if args.smoke else 1) if c.name in args.cases]
     if args.smoke:
         selected = [Case(c.name, c.label, c.q_lens[:3], c.seq_lens[:3], c.split_at) for c in selected]
-    rows, ceilings, grid, left_out, stopped = [], {}, [], [], None
+    rows, ceilings, grid, left_out, stopped, failed, jit = [], {}, [], [], None, {}, None
+
+    def write() -> dict:
+        targets = check_targets(rows) if {r["case"] for r in rows} >= set("abcde") else []
+        report = make_report(
+            argv, "bench_attention", device, args, rows, ceilings=ceilings, targets=targets, grid=grid,
+            grid_left_out=left_out, stopped_during=stopped, failed_cases=failed, flashinfer_jit=jit,
+        )  # fmt: skip
+        save(args.out, stem("attention", report), report, markdown(report))
+        return report
+
     try:  # a stop here still writes the report: what was measured, and where it stopped
+        builds = flashinfer_builds(args, selected) if device.type == "cuda" and use_flashinfer(args) else []
+        if builds:
+            stopped = "FlashInfer's JIT builds"
+            jit = {"builds": len(builds)} | warm_flashinfer(builds, args.flashinfer_warmup)
+            print(f"FlashInfer JIT builds: {jit}", flush=True)
+            args.no_flashinfer = not jit["finished"]  # still compiling: a run of ours alone
+        stopped = "the ceilings"
         ceilings = measure_ceilings(device, bench, args.smoke)
         for case in selected:
             stopped = f"case {case.name}"
-            rows.append(run_case(case, args, device, bench, ceilings))
+            try:
+                rows.append(run_case(case, args, device, bench, ceilings))
+            except Exception as exc:  # noqa: BLE001  (reported; the other cases and the grid go on)
+                failed[case.name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"case {case.name} failed: {failed[case.name]}", flush=True)
+                continue
             print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
                   flush=True)  # fmt: skip
         stopped = None
     except Stopped:
-        stopped = stopped or "the ceilings"
         print(f"stopped by SIGTERM during {stopped}", flush=True)
-    targets = check_targets(rows) if set("abcde") <= set(args.cases) and not stopped else []
+    write()  # the cases' report before the grid: kept if the grid is cut off harder than SIGTERM
     if args.suite == "full" and not stopped:
         grid, left_out = run_grid(args, device, bench, ceilings, deadline)
-    report = make_report(
-        argv, "bench_attention", device, args, rows, ceilings=ceilings, targets=targets, grid=grid,
-        grid_left_out=left_out, stopped_during=stopped,
-    )  # fmt: skip
+    report = write()
     if args.write_tuning:
         report["tuning"] = write_tuning(grid, report, device)
         print(f"tuning table: {report['tuning']}", flush=True)
-    save(args.out, stem("attention", report), report, markdown(report))
+        save(args.out, stem("attention", report), report, markdown(report))
     if grid:
         plot_grid(grid, args.out / f"{stem('attention', report)}_grid.png")
     print(markdown(report))

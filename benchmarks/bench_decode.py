@@ -12,7 +12,8 @@ decode steps; idle = 1 - (union of GPU kernel intervals) / (trace window), with 
 scheduling on and off. Target: < 5 % idle with overlap on. The same trace gives the GPU-busy
 time and the GPU kernels (and copies) per step. Last, unless ``--no-layer-ablation``, the step time
 and kernel count again with the decoder's elementwise layers left to torch (``--layer-kernels
-torch``: about 30 small kernels per layer instead of 4 fused ones). Writes JSON + markdown.
+torch``: about 30 small kernels per layer instead of 4 fused ones). Writes JSON + markdown, and a
+PNG: step time against the roofline per batch, and idle time with overlap on and off.
 
     python benchmarks/bench_decode.py
     python benchmarks/bench_decode.py --smoke --out /tmp/bench   # tiny shapes on CPU: checks the script
@@ -188,6 +189,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (steps, idle) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for context in sorted({r["context"] for r in rows}):
+        measured = [r for r in rows if r["context"] == context and "step_ms" in r]
+        if not measured:
+            continue
+        batches = [r["batch"] for r in measured]
+        line = steps.plot(batches, [r["step_ms"] for r in measured], "o-", label=f"step, context {context}")[0]
+        steps.plot(batches, [r["roofline_ms"] for r in measured], "--", color=line.get_color(),
+                   label=f"roofline, context {context}")  # fmt: skip
+        for key, style in (("idle_overlap", "o-"), ("idle_no_overlap", "x:")):
+            got = [(r["batch"], 100 * r[key]) for r in measured if key in r]
+            if got:
+                idle.plot(*zip(*got, strict=True), style, color=line.get_color(),
+                          label=f"context {context}, overlap {'on' if key == 'idle_overlap' else 'off'}")  # fmt: skip
+    steps.set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per decode step", title="decode step vs roofline")
+    idle.axhline(5, color="gray", lw=0.8)  # the target with overlap on
+    idle.set(xscale="log", xlabel="batch", ylabel="GPU idle %", title="GPU idle between kernels")
+    for ax in (steps, idle):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama3-8b", help="a shape name from bench_offline or a checkpoint dir")
@@ -252,6 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     report = write()
+    plot(rows, args.out / f"{stem('decode', report)}.png")
     print(markdown(report))
     return report
 

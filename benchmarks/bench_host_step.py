@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, publish
+from _common import RESULTS, header, publish, save, stem
 from _common import report as make_report
 
 PHASES = ("schedule", "prepare", "launch", "commit", "send")
@@ -174,11 +174,14 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--batch {min(args.batch)}; allowed: 1 or more")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
+    make = lambda: make_report(argv, "bench_host_step", torch.device(device), args, rows, cpus=os.cpu_count())  # noqa: E731
     for batch in args.batch:
         for mode in MODES:
             rows.append(measure(batch, mode, args.steps, args.repeats, args.warmup, device, args.prompt_len))
             print(rows[-1], flush=True)
-    report = make_report(argv, "bench_host_step", torch.device(device), args, rows, cpus=os.cpu_count())
+            report = make()  # after every row: a run stopped at a time limit keeps what it measured
+            save(args.out, stem("host_step", report), report, markdown(report))
+    report = make()
     return publish(args.out, "host_step", report, markdown(report))
 
 

@@ -83,13 +83,24 @@ def model_dir(name: str, tmp: Path) -> tuple[str, bool]:
     """(directory, random weights?) for a shape name or a checkpoint directory."""
     if name not in SHAPES:
         return name, False
-    from minengine.models.tiny import tiny_tokenizer
-
     path = tmp / name
     path.mkdir()
     (path / "config.json").write_text(json.dumps(SHAPES[name]))
-    tiny_tokenizer().backend.save(str(path / "tokenizer.json"))  # prompts are token ids
+    word_tokenizer(SHAPES[name]["vocab_size"]).save(str(path / "tokenizer.json"))
     return str(path), True
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer with a word for every id of the model ("w0" ... "w<vocab_size - 1>", joined by
+    spaces), so that every token a random-weight model samples has text: a tokenizer with fewer
+    ids (tiny's 260 bytes) decodes the rest to nothing, and a server streams no chunk for them,
+    which would turn TTFT into the whole request and ITL into 0. Text round-trips to the same
+    ids, so a conversation's next turn (history + answer) meets its own KV in a prefix cache."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
 
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:

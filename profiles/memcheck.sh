@@ -7,6 +7,9 @@
 #   bash profiles/memcheck.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# every tensor its own cudaMalloc: with torch's caching allocator, an access past a tensor's end
+# usually lands in the same cached block, where memcheck sees nothing wrong
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 backends="triton cuda"
 if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
   backends="$backends cuda-wgmma"  # the prefill tiles on wgmma

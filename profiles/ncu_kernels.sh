@@ -11,8 +11,15 @@ backends="triton cuda"
 if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
   backends="$backends cuda-wgmma"
 fi
+# a section's table alone leaves out its breakdowns (the warp-stall reasons of WarpStateStats, the
+# pipe utilization of ComputeWorkloadAnalysis): print the sections' bodies too where ncu can
+details=""
+if ncu --help 2>/dev/null | grep -- "--print-details" > /dev/null; then  # no -q: an early exit would SIGPIPE ncu (pipefail)
+  details="--print-details all"
+fi
 for backend in $backends; do
-  ncu --clock-control none --target-processes all \
+  # shellcheck disable=SC2086
+  ncu --clock-control none --target-processes all $details \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
       --kernel-name regex:'attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \
       python3 profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt

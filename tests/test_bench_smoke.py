@@ -64,6 +64,25 @@ def test_bench_offline_smoke(tmp_path):
     assert all(100 <= n <= 1024 for n in out_lens)
 
 
+def test_benchmark_models_have_text_for_every_token(tmp_path):
+    """The random-weight models the serving benchmarks run sample from the whole vocab: each id
+    must decode to text (a server streams no chunk for a token without any, which made TTFT the
+    whole request and ITL 0), and text must round-trip (multi-turn prompts extend the history)."""
+    from minengine.detokenizer import IncrementalDetokenizer
+    from minengine.tokenizer import Tokenizer
+
+    bench = load_bench("bench_offline")
+    path, dummy = bench.model_dir("smoke", tmp_path)
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer.from_dir(path)
+    assert dummy and tok.vocab_size == vocab
+    ids = list(range(vocab))
+    assert all(tok.decode([i]) for i in ids)
+    assert tok.encode(tok.decode(ids), add_special_tokens=False) == ids
+    detok = IncrementalDetokenizer(tok)
+    assert all(detok.add([i]) for i in (0, 7, vocab - 1, 3))  # a streamed piece for every token
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
 def test_bench_attention_stopped_during_the_cases_still_writes_the_report(tmp_path, monkeypatch):
     """The phase's time limit (SIGTERM -> Stopped) can land in the core cases, and --write-tuning can
@@ -93,6 +112,13 @@ def test_bench_decode_smoke(tmp_path):
     assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in report["rows"])
     table = [line for line in (tmp_path / "decode_smoke.md").read_text().splitlines() if line.startswith("|")]
     assert len({line.count("|") for line in table}) == 1  # every row has the header's cells
+    assert (tmp_path / "decode_smoke.png").stat().st_size > 0
+    gpu_rows = [  # what a GPU run adds (idle times from the trace), and a point the pool could not hold
+        {"batch": b, "context": 1024, "step_ms": 5.0 + b / 64, "roofline_ms": 4.5 + b / 80, "idle_overlap": 0.01,
+         "idle_no_overlap": 0.08} for b in (1, 16, 64)
+    ] + [{"batch": 256, "context": 4096, "skipped": "needs more KV"}]  # fmt: skip
+    bench.plot(gpu_rows, tmp_path / "gpu.png")
+    assert (tmp_path / "gpu.png").stat().st_size > 0
 
 
 def test_bench_decode_trace_numbers():
@@ -169,7 +195,7 @@ def test_bench_attention_time_budget_leaves_configs_out(tmp_path):
     configs = bench.grid_configs(smoke=True)
     assert report["grid"] == [] and len(report["grid_left_out"]) == len(configs) == 12
     assert configs[0][1] == 16 and {c[1] for c in configs[:4]} == {16}  # page 16 first: every tuning key
-    assert "Left out by --time-budget (12 grid configs)" in (tmp_path / "attention_smoke.md").read_text()
+    assert "Left out (12 grid configs; by --time-budget unless" in (tmp_path / "attention_smoke.md").read_text()
 
 
 def test_bench_disagg_smoke(tmp_path, monkeypatch):
@@ -229,8 +255,8 @@ def test_bench_attention_flashinfer_rows_with_a_stand_in(monkeypatch):
 
     install_stand_in(monkeypatch)
     bench = load_bench()
-    args = argparse.Namespace(smoke=True, no_torch=True, flashinfer_grid="target", num_q_heads=4, num_kv_heads=2,
-                              head_dim=32, page_size=16)  # fmt: skip
+    args = argparse.Namespace(smoke=True, no_torch=True, no_flashinfer=False, flashinfer_grid="target",
+                              num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16)  # fmt: skip
     device, ceilings = torch.device("cpu"), {"copy_gbps": 1.0, "matmul_tflops": 1.0}
     timer = bench.timer(device)
     (mixed_case,) = [c for c in bench.cases(256) if c.name == "d"]
@@ -252,3 +278,103 @@ def test_bench_attention_flashinfer_rows_with_a_stand_in(monkeypatch):
               "ceilings": ceilings, "rows": rows, "targets": [], "grid": grid}  # fmt: skip
     table = bench.markdown(report)
     assert "FlashInfer POD/this" in table and "FlashInfer POD/triton" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_a_failing_case_or_config_is_reported_and_the_rest_measured(tmp_path, monkeypatch):
+    """An exception in one core case or grid config (a CUDA error, a shape a backend refuses) is
+    written into the report; the other cases, the grid and the report go on."""
+    bench = load_bench()
+    real_case, real_config = bench.run_case, bench.measure_config
+
+    def run_case(case, *args):
+        if case.name == "b":
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real_case(case, *args)
+
+    def measure_config(args, device, timer, ceilings, config):
+        if config[3] == "prefill":
+            raise ValueError("not this one")
+        return real_config(args, device, timer, ceilings, config)
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    monkeypatch.setattr(bench, "measure_config", measure_config)
+    report = bench.main(["--smoke", "--cases", "abc", "--suite", "full", "--out", str(tmp_path)])
+    assert [r["case"] for r in report["rows"]] == ["a", "c"] and report["targets"] == []
+    assert report["failed_cases"] == {"b": "RuntimeError: CUDA error: an illegal memory access"}
+    failed = [c for c in report["grid_left_out"] if c.endswith("(failed: ValueError: not this one)")]
+    assert len(failed) == 3 and {r["kind"] for r in report["grid"]} == set(bench.GRID_KINDS) - {"prefill"}
+    table = (tmp_path / "attention_smoke.md").read_text()
+    assert "case b FAILED: RuntimeError" in table and "prefill (failed: ValueError" in table
+
+
+def test_flashinfer_builds_name_each_baseline_once():
+    """The warm-up builds one baseline per (dtype, heads, head dim, batch kind, wrapper) the run will
+    time: the core cases' (bf16 at the case shape) and the grid configs FlashInfer runs on."""
+    import argparse
+
+    bench = load_bench()
+    args = argparse.Namespace(smoke=False, suite="core", flashinfer_grid="target", num_q_heads=32, num_kv_heads=8,
+                              head_dim=128)  # fmt: skip
+    core = bench.flashinfer_builds(args, bench.cases(1))
+    assert core == [
+        ("bfloat16", 32, 8, 128, "decode", "paged"),
+        ("bfloat16", 32, 8, 128, "prefill", "paged"),
+        ("bfloat16", 32, 8, 128, "mixed", "paged"),
+        ("bfloat16", 32, 8, 128, "mixed", "pod"),
+    ]  # case e (two launches) runs no FlashInfer
+    args.suite = "full"
+    assert bench.flashinfer_builds(args, bench.cases(1)) == core  # the target grid: llama3-8b bf16 page 16
+    args.flashinfer_grid = "all"
+    every = bench.flashinfer_builds(args, [])
+    assert len(every) == len(set(every)) == len(bench.GRID_SHAPES) * 2 * 4  # shapes x dtypes x builds
+    assert ("float16", 16, 4, 256, "mixed", "pod") in every
+
+
+def test_warm_flashinfer_runs_builds_in_parallel_and_kills_what_is_late(tmp_path):
+    """Builds run as processes, ``parallel`` at once; a failure is named by its last line; at the time
+    limit every process still running is killed with its whole session (its nvcc children too), and
+    the builds still queued never start."""
+    import subprocess
+    import time
+
+    bench = load_bench()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    slow = (  # a child in the same session stands in for nvcc
+        "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(tmp_path / 'slow.pid')!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    codes = {
+        "ok": lambda n: f"import pathlib, time; time.sleep(0.5); pathlib.Path({str(marks)!r}, {n!r}).touch()",
+        "bad": lambda n: "import sys; print('compiling'); sys.exit('RuntimeError: Ninja build failed.')",
+        "slow": lambda n: slow,
+    }
+    command = lambda item: [sys.executable, "-c", codes[item[0]](item[1])]  # noqa: E731
+
+    start = time.monotonic()
+    done = bench.warm_flashinfer([("ok", "1"), ("ok", "2"), ("bad", "3")], seconds=60, command=command, parallel=3)
+    assert done["finished"] and done["failed"] == {"bad 3": "RuntimeError: Ninja build failed."}
+    assert sorted(p.name for p in marks.iterdir()) == ["1", "2"]
+    assert time.monotonic() - start < 10
+
+    late = bench.warm_flashinfer([("slow", "4"), ("ok", "5")], seconds=3, command=command, parallel=1)
+    assert not late["finished"] and 3 <= late["seconds"] < 10
+    assert not (marks / "5").exists()  # queued behind the slow one: never started
+    session, deadline = (tmp_path / "slow.pid").read_text(), time.monotonic() + 10
+    while left := subprocess.run(["pgrep", "-s", session], capture_output=True, text=True).stdout.split():
+        assert time.monotonic() < deadline, f"processes of the killed session still run: {left}"
+        time.sleep(0.1)  # killed, until the kernel and init have reaped it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_build_baseline_builds_each_kind(monkeypatch):
+    """What a warm-up process runs, here in process on the CPU stand-in of FlashInfer."""
+    from test_flashinfer_backend import _Wrapper
+
+    install_stand_in(monkeypatch)
+    bench = load_bench()
+    for kind, baseline in (("decode", "paged"), ("prefill", "paged"), ("mixed", "paged"), ("mixed", "pod")):
+        runs = _Wrapper.runs
+        bench.build_baseline(["float32", 4, 2, 32, kind, baseline], torch.device("cpu"))
+        assert _Wrapper.runs > runs, (kind, baseline)
