@@ -570,6 +570,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="on a GPU, first build every FlashInfer baseline the run uses, in parallel processes (its JIT "
         "compiles take minutes each); if they are not done within SECONDS, the run goes on without FlashInfer",
     )
+    parser.add_argument(
+        "--warmup-only",
+        action="store_true",
+        help="only build FlashInfer's modules for the selected cases (for an engine with --attention-backend "
+        "flashinfer at the same shape: its server then starts without minutes of JIT compiles)",
+    )
     parser.add_argument("--build-flashinfer", default=None, help=argparse.SUPPRESS)  # one warm-up process's item
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
@@ -634,6 +640,10 @@ def main(argv: list[str] | None = None) -> dict:
             jit = {"builds": len(builds)} | warm_flashinfer(builds, args.flashinfer_warmup)
             print(f"FlashInfer JIT builds: {jit}", flush=True)
             args.no_flashinfer = not jit["finished"]  # still compiling: a run of ours alone
+        if args.warmup_only:
+            if jit is None:
+                print("FlashInfer JIT builds: none to make (no GPU, or FlashInfer not importable)", flush=True)
+            return {"flashinfer_jit": jit}
         stopped = "the ceilings"
         ceilings = measure_ceilings(device, bench, args.smoke)
         for case in selected:

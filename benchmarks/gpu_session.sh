@@ -116,6 +116,9 @@ case $PHASE in
     [ $# -eq 0 ] && set -- backends overlap chunk delayer
     case " $* " in  # FlashInfer inside the engine is measured: first check it there (the tests phase skips it)
       *" backends "* | *" backends-eager "*)
+        # its JIT modules for the served model's shape (bf16, 32/8/128), in parallel, so that its server
+        # does not spend minutes compiling them one after another at start-up
+        step flashinfer_jit python3 benchmarks/bench_attention.py --warmup-only --flashinfer-warmup 300
         # shellcheck disable=SC2086
         step pytest_flashinfer python3 -m pytest -q $PYTEST_TIMEOUT -m gpu -k flashinfer \
           tests/test_gpu_kernels.py tests/test_backend_logits.py tests/test_cuda_graph.py ;;

@@ -378,3 +378,11 @@ def test_build_baseline_builds_each_kind(monkeypatch):
         runs = _Wrapper.runs
         bench.build_baseline(["float32", 4, 2, 32, kind, baseline], torch.device("cpu"))
         assert _Wrapper.runs > runs, (kind, baseline)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_warmup_only_measures_nothing(tmp_path):
+    """--warmup-only builds FlashInfer's modules and stops: without a GPU there is nothing to build."""
+    bench = load_bench()
+    assert bench.main(["--smoke", "--warmup-only", "--out", str(tmp_path)]) == {"flashinfer_jit": None}
+    assert list(tmp_path.iterdir()) == []
