@@ -29,7 +29,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,7 +119,7 @@ def measure_ceilings(device: torch.device, bench: Callable, smoke: bool) -> dict
 def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict) -> dict:
     import triton_kernels
     from minengine.ops import cuda as cuda_backend
-    from minengine.ops import flashinfer_ref, reference
+    from minengine.ops import reference
     from minengine.ops.testing import make_paged_batch, relative_error
 
     shape = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
@@ -137,18 +136,15 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
         row["rel_err_vs_fp64"] = relative_error(ours(), ref)
         if not args.no_torch:
             row["torch_ms"] = bench(lambda: reference.paged_attention(*batch.args(), out=out))
-        if use_flashinfer(args):
-            baselines = {"flashinfer": flashinfer_ref.FlashInferPagedAttention}
-            if pod_applies(case.q_lens):
-                baselines["flashinfer_pod"] = flashinfer_ref.FlashInferPOD
-            for key, make_baseline in baselines.items():
-                try:  # a FlashInfer JIT or plan failure is a skip, not the end of the run
-                    fi = make_baseline(*batch.args()[:6])
-                    row[f"rel_err_vs_{key}"] = relative_error(ours(), getattr(fi, "output", fi.run)())
-                    row[f"{key}_ms"] = bench(fi.run)
-                except Exception as exc:  # noqa: BLE001
-                    row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    print(f"skip {key} (case {case.name}): {row[f'{key}_error']}", flush=True)
+        for which, make_baseline in flashinfer_baselines(args, torch.bfloat16, *shape.values(), case.q_lens).items():
+            key = "flashinfer_pod" if which == "pod" else "flashinfer"
+            try:  # a FlashInfer JIT or plan failure is a skip, not the end of the run
+                fi = make_baseline(*batch.args()[:6])
+                row[f"rel_err_vs_{key}"] = relative_error(ours(), getattr(fi, "output", fi.run)())
+                row[f"{key}_ms"] = bench(fi.run)
+            except Exception as exc:  # noqa: BLE001
+                row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(f"skip {key} (case {case.name}): {row[f'{key}_error']}", flush=True)
         if cuda_backend.available():
             theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
             row["cuda_ms"] = bench(theirs)
@@ -202,6 +198,24 @@ def use_flashinfer(args: argparse.Namespace) -> bool:
     return not args.no_flashinfer and flashinfer_ref.available()
 
 
+def flashinfer_baselines(args: argparse.Namespace, dtype: torch.dtype, hq: int, hkv: int, d: int, q_lens) -> dict:
+    """FlashInfer's baselines for a batch: its paged wrapper, and POD on a mixed batch ({"paged": cls,
+    "pod": cls}); none whose warm-up build failed (each try would compile for minutes and fail again)."""
+    from minengine.ops import flashinfer_ref
+
+    if not use_flashinfer(args):
+        return {}
+    kind = batch_kind(q_lens)
+    makers = {"paged": flashinfer_ref.FlashInferPagedAttention, "pod": flashinfer_ref.FlashInferPOD}
+    failed = getattr(args, "flashinfer_failed", ())
+    name = lambda b: build_name((str(dtype).split(".")[-1], hq, hkv, d, kind, b))  # noqa: E731
+    return {b: makers[b] for b in baseline_names(kind) if name(b) not in failed}
+
+
+def baseline_names(kind: str) -> tuple[str, ...]:
+    return ("paged", "pod") if kind == "mixed" else ("paged",)
+
+
 def flashinfer_in_grid(args: argparse.Namespace, shape: str, page: int, dtype: torch.dtype) -> bool:
     """Whether FlashInfer runs on a grid config (--flashinfer-grid target: the targets' configs only)."""
     target = shape == "llama3-8b" and page == 16 and dtype == torch.bfloat16
@@ -230,7 +244,7 @@ def flashinfer_builds(args: argparse.Namespace, selected: list[Case]) -> list[tu
     builds = []
     for dtype, hq, hkv, d, q_lens in wanted:
         kind = batch_kind(q_lens)
-        for baseline in ("paged", "pod") if kind == "mixed" else ("paged",):
+        for baseline in baseline_names(kind):
             if (item := (dtype, hq, hkv, d, kind, baseline)) not in builds:
                 builds.append(item)
     return builds
@@ -252,43 +266,98 @@ def build_baseline(item: tuple | list, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def warm_flashinfer(
-    builds: list[tuple], seconds: float, command: Callable[[tuple], list[str]] | None = None, parallel: int = 4
-) -> dict:
-    """Build the baselines in up to ``parallel`` processes at once, so FlashInfer's JIT compiles
-    (minutes each on first use, one nvcc per source of a module) overlap instead of queueing inside
-    the timed run. Each process has a session of its own, killed whole (its nvcc jobs too) at
-    ``seconds`` or on a stop. Returns what failed and whether all finished in time (if not, the
-    caller runs without FlashInfer)."""
-    command = command or (lambda item: [sys.executable, __file__, "--build-flashinfer", json.dumps(item)])
-    start = time.monotonic()
-    queue = [(" ".join(map(str, item)), item) for item in builds]
-    running, failed = {}, {}  # name -> (process, its log file)
-    result = lambda finished: {"seconds": round(time.monotonic() - start, 1), "finished": finished, "failed": failed}  # noqa: E731
-    with tempfile.TemporaryDirectory() as logs:
+WARMUP_MARK = "FLASHINFER_WARMUP_FAILED "  # the warm-up process's last line: JSON of the builds that failed
+
+
+def build_name(item: tuple | list) -> str:
+    return " ".join(map(str, item))
+
+
+def failure_reason(exc: BaseException) -> str:
+    """An exception's first line and its error lines (FlashInfer's "Ninja build failed" carries the
+    whole ninja output, whose last line only says a subcommand failed)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines[1:] if "error" in line.lower()][:5]
+    return " | ".join(line[:200] for line in [f"{type(exc).__name__}: {lines[0] if lines else ''}", *errors])
+
+
+def warm_in_process(builds: list, device: torch.device, build: Callable | None = None) -> dict[str, str]:
+    """Build every baseline's FlashInfer modules: first only collect the modules the baselines ask
+    for (each stops at its first), then compile them all with one ninja (FlashInfer's
+    ``build_jit_specs``: parallel jobs over one deps log; separate ninja processes sharing FlashInfer's
+    build directory would corrupt it and rebuild everything next time), then build each baseline
+    for real (loads the modules, and compiles any it asks for only after the first). Returns the
+    builds that failed, with why."""
+    build = build or build_baseline
+    try:
+        from flashinfer.jit import core
+    except ImportError:  # another FlashInfer layout: each build compiles its own modules, in turn
+        core = None
+    if core is not None:
+        specs = {}
+
+        class Collected(Exception):
+            pass
+
+        def collect(spec):
+            specs.setdefault(spec.name, spec)
+            raise Collected
+
+        real = core.JitSpec.build_and_load
+        core.JitSpec.build_and_load = collect
         try:
-            while queue or running:
-                while queue and len(running) < parallel:
-                    name, item = queue.pop(0)
-                    path = Path(logs) / f"{len(builds) - len(queue)}.log"
-                    with open(path, "w") as log:  # the child has its own descriptor of it
-                        proc = subprocess.Popen(command(item), start_new_session=True, stdout=log, stderr=log)
-                    running[name] = proc, path
-                if time.monotonic() - start > seconds:
-                    return result(False)
-                for name, (proc, path) in list(running.items()):
-                    if proc.poll() is not None:
-                        del running[name]
-                        if proc.returncode != 0:  # the last line (the exception) says why
-                            lines = path.read_text().strip().splitlines() or [f"exit {proc.returncode}"]
-                            failed[name] = lines[-1][:300]
-                time.sleep(0.1)
-            return result(True)
+            for item in builds:
+                with contextlib.suppress(Exception):  # Collected; a real failure is reported below
+                    build(item, device)
         finally:
-            for proc, _ in running.values():
+            core.JitSpec.build_and_load = real
+        print(f"compiling {len(specs)} FlashInfer modules at once: {', '.join(specs)}", flush=True)
+        try:
+            core.build_jit_specs(list(specs.values()))
+        except Exception as exc:  # noqa: BLE001  (the builds below name what it broke)
+            print(f"build_jit_specs: {failure_reason(exc)}", flush=True)
+    failed = {}
+    for item in builds:
+        try:
+            build(item, device)
+        except Exception as exc:  # noqa: BLE001
+            failed[build_name(item)] = failure_reason(exc)
+    return failed
+
+
+def warm_flashinfer(builds: list, seconds: float, log: Path, command: list[str] | None = None) -> dict:
+    """``warm_in_process`` in a process of its own, with its own session: killed whole (nvcc jobs
+    too) after ``seconds`` or on a stop. Its output goes to ``log``. Returns the builds that failed
+    and whether it finished in time (if not, the caller runs without FlashInfer)."""
+    command = command or [sys.executable, __file__, "--build-flashinfer", json.dumps(builds)]
+    start = time.monotonic()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        # a stop (SIGTERM) waits until the process is inside the try that kills it (the process
+        # inherits the block, and lifts it itself)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            proc = subprocess.Popen(command, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            raise
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    lines = log.read_text().splitlines()
+    marks = [line for line in lines if line.startswith(WARMUP_MARK)]
+    result = {"seconds": round(time.monotonic() - start, 1), "finished": bool(marks), "log": str(log)}
+    result["failed"] = json.loads(marks[-1][len(WARMUP_MARK) :]) if marks else {}
+    if proc.returncode not in (0, -signal.SIGKILL) and not marks:  # it died: say how
+        result["failed"] = {"warm-up process": (lines or [f"exit {proc.returncode}"])[-1][:300]}
+    return result
 
 
 def sdpa_on_gathered(batch):
@@ -325,7 +394,6 @@ def measure_config(
     """One grid config (shape, page, dtype, kind): a row per backend that ran it."""
     import triton_kernels
     from minengine.ops import cuda as cuda_backend
-    from minengine.ops import flashinfer_ref
     from minengine.ops.testing import make_paged_batch, relative_error
 
     shape_name, page, dtype, kind = config
@@ -347,11 +415,10 @@ def measure_config(
             name = "cuda" if impl == "auto" else f"cuda-{impl}"
             runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
     checks = {}  # backends whose timed run does not return our layout: what to check instead
-    if use_flashinfer(args) and flashinfer_in_grid(args, shape_name, page, dtype):
-        baselines = {"flashinfer": flashinfer_ref.FlashInferPagedAttention}
-        if pod_applies(q_lens):
-            baselines["flashinfer-pod"] = flashinfer_ref.FlashInferPOD
-        for name, make_baseline in baselines.items():
+    if flashinfer_in_grid(args, shape_name, page, dtype):
+        baselines = flashinfer_baselines(args, dtype, hq, hkv, d, q_lens)
+        for which, make_baseline in baselines.items():
+            name = "flashinfer-pod" if which == "pod" else "flashinfer"
             try:  # a shape FlashInfer does not take, or a JIT failure, is a skip
                 fi = make_baseline(*batch.args()[:6])
                 runs[name], checks[name] = fi.run, getattr(fi, "output", fi.run)
@@ -417,7 +484,7 @@ def run_grid(
             left_out.append(f"{name(config)} (failed: {type(exc).__name__}: {str(exc)[:200]})")
             print(f"failed: {left_out[-1]}", flush=True)
     if left_out:
-        print(f"time budget spent: {len(left_out)} grid configs left out", flush=True)
+        print(f"{len(left_out)} grid configs left out (time budget, or failed)", flush=True)
     return rows, left_out
 
 
@@ -450,7 +517,7 @@ def markdown(report: dict) -> str:
         state = "done" if jit["finished"] else "NOT finished: FlashInfer left out of this run"
         failed = "".join(f"; failed: {k}: {v}" for k, v in jit["failed"].items())
         lines.append(
-            f"- FlashInfer JIT builds ({jit['builds']}, in parallel): {state} after {jit['seconds']} s{failed}"
+            f"- FlashInfer JIT builds ({jit['builds']}, compiled together): {state} after {jit['seconds']} s{failed}"
         )
     for name, why in report.get("failed_cases", {}).items():
         lines.append(f"- case {name} FAILED: {why}")
@@ -567,8 +634,8 @@ def main(argv: list[str] | None = None) -> dict:
         type=float,
         default=360,
         metavar="SECONDS",
-        help="on a GPU, first build every FlashInfer baseline the run uses, in parallel processes (its JIT "
-        "compiles take minutes each); if they are not done within SECONDS, the run goes on without FlashInfer",
+        help="on a GPU, first build every FlashInfer baseline the run uses, its JIT modules compiled together "
+        "(minutes each, one after another otherwise); if not done within SECONDS, the run goes on without FlashInfer",
     )
     parser.add_argument(
         "--warmup-only",
@@ -576,7 +643,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="only build FlashInfer's modules for the selected cases (for an engine with --attention-backend "
         "flashinfer at the same shape: its server then starts without minutes of JIT compiles)",
     )
-    parser.add_argument("--build-flashinfer", default=None, help=argparse.SUPPRESS)  # one warm-up process's item
+    parser.add_argument("--build-flashinfer", default=None, help=argparse.SUPPRESS)  # the warm-up process's builds
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -603,11 +670,20 @@ def main(argv: list[str] | None = None) -> dict:
         help="with --suite full: write minengine/ops/tuning/<device>.json, the per-shape choice of `auto`",
     )
     args = parser.parse_args(argv)
-    if args.build_flashinfer is not None:  # a process of warm_flashinfer
-        build_baseline(json.loads(args.build_flashinfer), torch.device("cuda"))
+    if args.build_flashinfer is not None:  # the process of warm_flashinfer
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        failed = warm_in_process(json.loads(args.build_flashinfer), torch.device("cuda"))
+        print(WARMUP_MARK + json.dumps(failed), flush=True)
         return {}
     # SIGTERM (a caller's time limit) ends what is being measured, and the report is still written
-    signal.signal(signal.SIGTERM, _stop)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return run(args, argv, parser)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.ArgumentParser) -> dict:
     deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
 
     if args.smoke and not torch.cuda.is_available():
@@ -633,17 +709,27 @@ def main(argv: list[str] | None = None) -> dict:
         save(args.out, stem("attention", report), report, markdown(report))
         return report
 
+    builds = flashinfer_builds(args, selected) if device.type == "cuda" and use_flashinfer(args) else []
+
+    def warm() -> dict:
+        log = args.out / "flashinfer_jit.log"
+        return {"builds": len(builds)} | warm_flashinfer(builds, args.flashinfer_warmup, log)
+
+    if args.warmup_only:  # writes no report
+        try:
+            jit = warm() if builds else None
+        except Stopped:
+            print("stopped by SIGTERM during FlashInfer's JIT builds", flush=True)
+            return {"flashinfer_jit": None}
+        print(f"FlashInfer JIT builds: {jit or 'none to make (no GPU, or FlashInfer not importable)'}", flush=True)
+        return {"flashinfer_jit": jit}
     try:  # a stop here still writes the report: what was measured, and where it stopped
-        builds = flashinfer_builds(args, selected) if device.type == "cuda" and use_flashinfer(args) else []
         if builds:
             stopped = "FlashInfer's JIT builds"
-            jit = {"builds": len(builds)} | warm_flashinfer(builds, args.flashinfer_warmup)
+            jit = warm()
             print(f"FlashInfer JIT builds: {jit}", flush=True)
             args.no_flashinfer = not jit["finished"]  # still compiling: a run of ours alone
-        if args.warmup_only:
-            if jit is None:
-                print("FlashInfer JIT builds: none to make (no GPU, or FlashInfer not importable)", flush=True)
-            return {"flashinfer_jit": jit}
+            args.flashinfer_failed = set(jit["failed"])  # not tried again: each try compiles for minutes
         stopped = "the ceilings"
         ceilings = measure_ceilings(device, bench, args.smoke)
         for case in selected:

@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     def write() -> dict:  # after every point: a run stopped at its time limit keeps what it measured
         report = make_report(argv, "bench_decode", device, args, rows, copy_gbps=copy_gbps)
         save(args.out, stem("decode", report), report, markdown(report))
+        plot(rows, args.out / f"{stem('decode', report)}.png")
         return report
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -284,7 +285,6 @@ def main(argv: list[str] | None = None) -> dict:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     report = write()
-    plot(rows, args.out / f"{stem('decode', report)}.png")
     print(markdown(report))
     return report
 

@@ -94,7 +94,7 @@ case $PHASE in
     step memcheck bash profiles/memcheck.sh
     ;;
   kernels)
-    # FlashInfer's JIT builds first, in parallel (at most 240 s, else the run goes on without it),
+    # FlashInfer's JIT modules first, compiled together (at most 240 s, else the run goes on without it),
     # and only for the core cases and the targets' grid configs; the grid starts no config in the
     # phase's last 150 s (ncu's), and SIGTERM ends the one running, so the report and the tuning
     # table (commit it to minengine/ops/tuning/) hold what it measured
@@ -116,9 +116,10 @@ case $PHASE in
     [ $# -eq 0 ] && set -- backends overlap chunk delayer
     case " $* " in  # FlashInfer inside the engine is measured: first check it there (the tests phase skips it)
       *" backends "* | *" backends-eager "*)
-        # its JIT modules for the served model's shape (bf16, 32/8/128), in parallel, so that its server
-        # does not spend minutes compiling them one after another at start-up
-        step flashinfer_jit python3 benchmarks/bench_attention.py --warmup-only --flashinfer-warmup 300
+        # its JIT modules for the served model's shape (bf16, 32/8/128; decode and prefill wrappers,
+        # cases a-c), compiled together, so that its server does not compile them one after another
+        step flashinfer_jit python3 benchmarks/bench_attention.py --warmup-only --cases abc \
+          --flashinfer-warmup 300 --out "$WORK/logs"
         # shellcheck disable=SC2086
         step pytest_flashinfer python3 -m pytest -q $PYTEST_TIMEOUT -m gpu -k flashinfer \
           tests/test_gpu_kernels.py tests/test_backend_logits.py tests/test_cuda_graph.py ;;

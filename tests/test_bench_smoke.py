@@ -331,40 +331,118 @@ def test_flashinfer_builds_name_each_baseline_once():
     assert ("float16", 16, 4, 256, "mixed", "pod") in every
 
 
-def test_warm_flashinfer_runs_builds_in_parallel_and_kills_what_is_late(tmp_path):
-    """Builds run as processes, ``parallel`` at once; a failure is named by its last line; at the time
-    limit every process still running is killed with its whole session (its nvcc children too), and
-    the builds still queued never start."""
+def test_warm_flashinfer_process_reports_failures_and_is_killed_whole_when_late(tmp_path):
+    """The warm-up runs as one process in a session of its own: its last line names the builds that
+    failed; a process that dies is reported; at the time limit the whole session is killed (its nvcc
+    jobs too) and the run is told the builds did not finish."""
+    import os
+    import signal
+    import threading
+
+    bench = load_bench()
+    mark = bench.WARMUP_MARK
+    ok = [sys.executable, "-c", f"print('compiling'); print({mark!r} + '{{\"bfloat16 32 8 128 mixed pod\": \"why\"}}')"]
+    done = bench.warm_flashinfer([], seconds=60, log=tmp_path / "ok.log", command=ok)
+    assert done["finished"] and done["failed"] == {"bfloat16 32 8 128 mixed pod": "why"}
+    assert "compiling" in (tmp_path / "ok.log").read_text()
+
+    # the real command: this script's --build-flashinfer (nothing to build here)
+    assert bench.warm_flashinfer([], seconds=120, log=tmp_path / "real.log") | {"seconds": 0} == {
+        "seconds": 0, "finished": True, "failed": {}, "log": str(tmp_path / "real.log")
+    }  # fmt: skip
+
+    died = [sys.executable, "-c", "import sys; sys.exit('ImportError: no flashinfer.jit')"]
+    dead = bench.warm_flashinfer([], seconds=60, log=tmp_path / "died.log", command=died)
+    assert not dead["finished"] and dead["failed"] == {"warm-up process": "ImportError: no flashinfer.jit"}
+
+    slow = [  # a child in the same session stands in for nvcc
+        sys.executable, "-c",
+        "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(tmp_path / 'slow.pid')!r}, 'w').write(str(os.getpid())); time.sleep(60)",
+    ]  # fmt: skip
+    before = signal.getsignal(signal.SIGTERM)
+    late = bench.warm_flashinfer([], seconds=3, log=tmp_path / "slow.log", command=slow)
+    assert not late["finished"] and late["failed"] == {} and 3 <= late["seconds"] < 10
+    assert signal.getsignal(signal.SIGTERM) == before and not signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert_session_gone((tmp_path / "slow.pid").read_text())
+
+    # a stop (the phase's SIGTERM, raised as Stopped by the benchmark's handler) kills it too
+    (tmp_path / "slow.pid").unlink()
+    previous = signal.signal(signal.SIGTERM, bench._stop)
+    timer = threading.Timer(2, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(bench.Stopped):
+            bench.warm_flashinfer([], seconds=60, log=tmp_path / "stopped.log", command=slow)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert_session_gone((tmp_path / "slow.pid").read_text())
+
+
+def assert_session_gone(session: str) -> None:
     import subprocess
     import time
 
-    bench = load_bench()
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    slow = (  # a child in the same session stands in for nvcc
-        "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-        f"open({str(tmp_path / 'slow.pid')!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    )
-    codes = {
-        "ok": lambda n: f"import pathlib, time; time.sleep(0.5); pathlib.Path({str(marks)!r}, {n!r}).touch()",
-        "bad": lambda n: "import sys; print('compiling'); sys.exit('RuntimeError: Ninja build failed.')",
-        "slow": lambda n: slow,
-    }
-    command = lambda item: [sys.executable, "-c", codes[item[0]](item[1])]  # noqa: E731
-
-    start = time.monotonic()
-    done = bench.warm_flashinfer([("ok", "1"), ("ok", "2"), ("bad", "3")], seconds=60, command=command, parallel=3)
-    assert done["finished"] and done["failed"] == {"bad 3": "RuntimeError: Ninja build failed."}
-    assert sorted(p.name for p in marks.iterdir()) == ["1", "2"]
-    assert time.monotonic() - start < 10
-
-    late = bench.warm_flashinfer([("slow", "4"), ("ok", "5")], seconds=3, command=command, parallel=1)
-    assert not late["finished"] and 3 <= late["seconds"] < 10
-    assert not (marks / "5").exists()  # queued behind the slow one: never started
-    session, deadline = (tmp_path / "slow.pid").read_text(), time.monotonic() + 10
+    deadline = time.monotonic() + 10
     while left := subprocess.run(["pgrep", "-s", session], capture_output=True, text=True).stdout.split():
         assert time.monotonic() < deadline, f"processes of the killed session still run: {left}"
         time.sleep(0.1)  # killed, until the kernel and init have reaped it
+
+
+def test_warm_in_process_compiles_every_module_with_one_build(monkeypatch):
+    """The baselines' modules are collected first (each baseline stops at its first module), compiled
+    by one build_jit_specs call, then every baseline is built for real (modules it asks for later are
+    built then); a build that fails is named with the error lines of its ninja output."""
+    import types
+
+    bench = load_bench()
+    loaded, batches = [], []
+
+    class JitSpec:
+        def __init__(self, name):
+            self.name = name
+
+        def build_and_load(self):
+            loaded.append(self.name)
+
+    core = types.ModuleType("flashinfer.jit.core")
+    core.JitSpec = JitSpec
+    core.build_jit_specs = lambda specs: batches.append([s.name for s in specs])
+    package = types.ModuleType("flashinfer")
+    package.jit = types.ModuleType("flashinfer.jit")
+    package.jit.core = core
+    for name, module in (("flashinfer", package), ("flashinfer.jit", package.jit), ("flashinfer.jit.core", core)):
+        monkeypatch.setitem(sys.modules, name, module)
+    modules = {"decode": ["decode"], "prefill": ["prefill", "late"], "mixed": ["prefill"]}
+
+    def build(item, device):
+        if item[0] == "broken":
+            raise RuntimeError(
+                "Ninja build failed. Ninja output:\n[1/2] nvcc x.cu\nx.cu(3): error: bad\nninja: stopped"
+            )
+        for name in modules[item[0]]:
+            JitSpec(name).build_and_load()
+
+    failed = bench.warm_in_process([["decode"], ["prefill"], ["mixed"], ["broken"]], torch.device("cpu"), build)
+    assert batches == [["decode", "prefill"]]  # one build, each module once, before any load
+    assert loaded == ["decode", "prefill", "late", "prefill"]
+    assert JitSpec.build_and_load is not None and core.JitSpec.build_and_load.__name__ == "build_and_load"
+    assert failed == {"broken": "RuntimeError: Ninja build failed. Ninja output: | x.cu(3): error: bad"}
+
+
+def test_a_baseline_whose_build_failed_is_not_tried_again(monkeypatch):
+    import argparse
+
+    install_stand_in(monkeypatch)
+    bench = load_bench()
+    args = argparse.Namespace(no_flashinfer=False, flashinfer_failed={"bfloat16 32 8 128 mixed pod"})
+    mixed, decode = (1024, 1, 1), (1, 1)
+    assert list(bench.flashinfer_baselines(args, torch.bfloat16, 32, 8, 128, mixed)) == ["paged"]
+    assert list(bench.flashinfer_baselines(args, torch.float16, 32, 8, 128, mixed)) == ["paged", "pod"]
+    assert list(bench.flashinfer_baselines(args, torch.bfloat16, 32, 8, 128, decode)) == ["paged"]
+    args.no_flashinfer = True
+    assert bench.flashinfer_baselines(args, torch.bfloat16, 32, 8, 128, decode) == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
@@ -383,6 +461,10 @@ def test_build_baseline_builds_each_kind(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
 def test_bench_attention_warmup_only_measures_nothing(tmp_path):
     """--warmup-only builds FlashInfer's modules and stops: without a GPU there is nothing to build."""
+    import signal
+
     bench = load_bench()
+    before = signal.getsignal(signal.SIGTERM)
     assert bench.main(["--smoke", "--warmup-only", "--out", str(tmp_path)]) == {"flashinfer_jit": None}
     assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == before  # main's stop handler is not left behind
