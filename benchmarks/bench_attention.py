@@ -266,7 +266,8 @@ def build_baseline(item: tuple | list, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-WARMUP_MARK = "FLASHINFER_WARMUP_FAILED "  # the warm-up process's last line: JSON of the builds that failed
+BUILT_MARK = "FLASHINFER_BUILT "  # the warm-up process's line for each baseline it built
+WARMUP_MARK = "FLASHINFER_WARMUP_FAILED "  # its last line: JSON of the builds that failed
 
 
 def build_name(item: tuple | list) -> str:
@@ -281,54 +282,92 @@ def failure_reason(exc: BaseException) -> str:
     return " | ".join(line[:200] for line in [f"{type(exc).__name__}: {lines[0] if lines else ''}", *errors])
 
 
+class _Collected(Exception):
+    """A module the warm-up compiles with the round's others: the baseline asking for it waits."""
+
+
 def warm_in_process(builds: list, device: torch.device, build: Callable | None = None) -> dict[str, str]:
-    """Build every baseline's FlashInfer modules: first only collect the modules the baselines ask
-    for (each stops at its first), then compile them all with one ninja (FlashInfer's
-    ``build_jit_specs``: parallel jobs over one deps log; separate ninja processes sharing FlashInfer's
-    build directory would corrupt it and rebuild everything next time), then build each baseline
-    for real (loads the modules, and compiles any it asks for only after the first). Returns the
-    builds that failed, with why."""
+    """Build every baseline, FlashInfer's modules compiled together. In rounds: each baseline still
+    pending is built, loading the modules compiled so far and stopping at the first that is not
+    (collected); then one ninja compiles every module the round collected (FlashInfer's
+    ``build_jit_specs``: parallel jobs over one deps log; separate ninja processes in FlashInfer's
+    one build directory would corrupt that log, and the next build would compile everything
+    again). A module asks for the next one only once it runs (the prefill wrapper's page module,
+    POD's batch module), hence rounds. A module that does not compile is not tried again. Prints a
+    line per baseline built; returns the builds that failed, with why."""
     build = build or build_baseline
     try:
         from flashinfer.jit import core
     except ImportError:  # another FlashInfer layout: each build compiles its own modules, in turn
         core = None
+    failed, pending = {}, list(builds)
     if core is not None:
-        specs = {}
+        real, compiled, broken, collected = core.JitSpec.build_and_load, set(), {}, {}
 
-        class Collected(Exception):
-            pass
+        def build_and_load(spec):
+            if spec.name in broken:
+                raise broken[spec.name]  # its compile error, not a second compile
+            if spec.name in compiled or getattr(spec, "is_compiled", False):
+                return real(spec)
+            collected.setdefault(spec.name, spec)
+            raise _Collected
 
-        def collect(spec):
-            specs.setdefault(spec.name, spec)
-            raise Collected
-
-        real = core.JitSpec.build_and_load
-        core.JitSpec.build_and_load = collect
-        try:
-            for item in builds:
-                with contextlib.suppress(Exception):  # Collected; a real failure is reported below
+        core.JitSpec.build_and_load = build_and_load
+    try:
+        while pending:
+            collected = {} if core is not None else None
+            for item in list(pending):
+                try:
                     build(item, device)
-        finally:
+                except _Collected:
+                    continue  # built once its module is
+                except Exception as exc:  # noqa: BLE001
+                    failed[build_name(item)] = failure_reason(exc)
+                else:
+                    print(BUILT_MARK + build_name(item), flush=True)
+                pending.remove(item)
+            if not collected:
+                break
+            print(f"compiling FlashInfer modules together: {', '.join(collected)}", flush=True)
+            try:
+                core.build_jit_specs(list(collected.values()))
+            except Exception as exc:  # noqa: BLE001  (one that does not compile stops ninja: the rest one by one)
+                print(f"build_jit_specs: {failure_reason(exc)}", flush=True)
+                for name, spec in collected.items():
+                    try:
+                        real(spec)
+                    except Exception as one:  # noqa: BLE001
+                        broken[name] = one
+            compiled.update(collected)
+    finally:
+        if core is not None:
             core.JitSpec.build_and_load = real
-        print(f"compiling {len(specs)} FlashInfer modules at once: {', '.join(specs)}", flush=True)
-        try:
-            core.build_jit_specs(list(specs.values()))
-        except Exception as exc:  # noqa: BLE001  (the builds below name what it broke)
-            print(f"build_jit_specs: {failure_reason(exc)}", flush=True)
-    failed = {}
-    for item in builds:
-        try:
-            build(item, device)
-        except Exception as exc:  # noqa: BLE001
-            failed[build_name(item)] = failure_reason(exc)
     return failed
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid``: ninja starts each job in a process group of its
+    own, so killing the warm-up's group would leave its nvcc jobs compiling."""
+    for _ in range(5):  # a process may start one more between the scan and its kill
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                if (
+                    int(stat.read_text().rsplit(")", 1)[1].split()[3]) == sid
+                ):  # fields after comm: state ppid pgrp session
+                    alive.append(int(stat.parent.name))
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if not alive:
+            return
+        time.sleep(0.05)
+
+
 def warm_flashinfer(builds: list, seconds: float, log: Path, command: list[str] | None = None) -> dict:
-    """``warm_in_process`` in a process of its own, with its own session: killed whole (nvcc jobs
-    too) after ``seconds`` or on a stop. Its output goes to ``log``. Returns the builds that failed
-    and whether it finished in time (if not, the caller runs without FlashInfer)."""
+    """``warm_in_process`` in a process of its own, in a session of its own: killed whole (nvcc jobs
+    too) after ``seconds`` or on a stop. Its output goes to ``log``. Returns the baselines built,
+    those that failed, and whether it finished in time (a baseline not built is left out of the run)."""
     command = command or [sys.executable, __file__, "--build-flashinfer", json.dumps(builds)]
     start = time.monotonic()
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -347,13 +386,12 @@ def warm_flashinfer(builds: list, seconds: float, log: Path, command: list[str] 
         except subprocess.TimeoutExpired:
             pass
         finally:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            kill_session(proc.pid)  # its pid is its session's id
+            proc.wait()
     lines = log.read_text().splitlines()
     marks = [line for line in lines if line.startswith(WARMUP_MARK)]
     result = {"seconds": round(time.monotonic() - start, 1), "finished": bool(marks), "log": str(log)}
+    result["built"] = [line[len(BUILT_MARK) :] for line in lines if line.startswith(BUILT_MARK)]
     result["failed"] = json.loads(marks[-1][len(WARMUP_MARK) :]) if marks else {}
     if proc.returncode not in (0, -signal.SIGKILL) and not marks:  # it died: say how
         result["failed"] = {"warm-up process": (lines or [f"exit {proc.returncode}"])[-1][:300]}
@@ -514,10 +552,11 @@ def markdown(report: dict) -> str:
     if report.get("stopped_during"):
         lines.append(f"- STOPPED by the time limit during {report['stopped_during']}: the rest was not measured")
     if jit := report.get("flashinfer_jit"):
-        state = "done" if jit["finished"] else "NOT finished: FlashInfer left out of this run"
+        state = "done" if jit["finished"] else "NOT finished in time"
         failed = "".join(f"; failed: {k}: {v}" for k, v in jit["failed"].items())
         lines.append(
-            f"- FlashInfer JIT builds ({jit['builds']}, compiled together): {state} after {jit['seconds']} s{failed}"
+            f"- FlashInfer JIT builds (modules compiled together): {state} after {jit['seconds']} s, "
+            f"{len(jit['built'])} of {jit['builds']} baselines built (the others are left out){failed}"
         )
     for name, why in report.get("failed_cases", {}).items():
         lines.append(f"- case {name} FAILED: {why}")
@@ -635,7 +674,7 @@ def main(argv: list[str] | None = None) -> dict:
         default=360,
         metavar="SECONDS",
         help="on a GPU, first build every FlashInfer baseline the run uses, its JIT modules compiled together "
-        "(minutes each, one after another otherwise); if not done within SECONDS, the run goes on without FlashInfer",
+        "(minutes each, one after another otherwise); baselines not built within SECONDS are left out",
     )
     parser.add_argument(
         "--warmup-only",
@@ -728,8 +767,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
             stopped = "FlashInfer's JIT builds"
             jit = warm()
             print(f"FlashInfer JIT builds: {jit}", flush=True)
-            args.no_flashinfer = not jit["finished"]  # still compiling: a run of ours alone
-            args.flashinfer_failed = set(jit["failed"])  # not tried again: each try compiles for minutes
+            # a baseline that failed or was still compiling is left out: each try compiles for minutes
+            args.flashinfer_failed = {build_name(b) for b in builds} - set(jit["built"])
         stopped = "the ceilings"
         ceilings = measure_ceilings(device, bench, args.smoke)
         for case in selected:

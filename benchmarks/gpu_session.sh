@@ -94,7 +94,7 @@ case $PHASE in
     step memcheck bash profiles/memcheck.sh
     ;;
   kernels)
-    # FlashInfer's JIT modules first, compiled together (at most 240 s, else the run goes on without it),
+    # FlashInfer's JIT modules first, compiled together (at most 240 s: baselines not built by then are left out),
     # and only for the core cases and the targets' grid configs; the grid starts no config in the
     # phase's last 150 s (ncu's), and SIGTERM ends the one running, so the report and the tuning
     # table (commit it to minengine/ops/tuning/) hold what it measured

@@ -341,14 +341,14 @@ def test_warm_flashinfer_process_reports_failures_and_is_killed_whole_when_late(
 
     bench = load_bench()
     mark = bench.WARMUP_MARK
-    ok = [sys.executable, "-c", f"print('compiling'); print({mark!r} + '{{\"bfloat16 32 8 128 mixed pod\": \"why\"}}')"]
-    done = bench.warm_flashinfer([], seconds=60, log=tmp_path / "ok.log", command=ok)
-    assert done["finished"] and done["failed"] == {"bfloat16 32 8 128 mixed pod": "why"}
+    code = f"print({bench.BUILT_MARK!r} + 'a'); print('compiling'); print({mark!r} + '{{\"b\": \"why\"}}')"
+    done = bench.warm_flashinfer([], seconds=60, log=tmp_path / "ok.log", command=[sys.executable, "-c", code])
+    assert done["finished"] and done["built"] == ["a"] and done["failed"] == {"b": "why"}
     assert "compiling" in (tmp_path / "ok.log").read_text()
 
     # the real command: this script's --build-flashinfer (nothing to build here)
     assert bench.warm_flashinfer([], seconds=120, log=tmp_path / "real.log") | {"seconds": 0} == {
-        "seconds": 0, "finished": True, "failed": {}, "log": str(tmp_path / "real.log")
+        "seconds": 0, "finished": True, "built": [], "failed": {}, "log": str(tmp_path / "real.log")
     }  # fmt: skip
 
     died = [sys.executable, "-c", "import sys; sys.exit('ImportError: no flashinfer.jit')"]
@@ -357,7 +357,8 @@ def test_warm_flashinfer_process_reports_failures_and_is_killed_whole_when_late(
 
     slow = [  # a child in the same session stands in for nvcc
         sys.executable, "-c",
-        "import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "import os, subprocess, sys, time; "  # the stand-in for nvcc: a process group of its own, as ninja's jobs
+        "subprocess.Popen([sys.executable, '-c', 'import os, time; os.setpgid(0, 0); time.sleep(60)']); "
         f"open({str(tmp_path / 'slow.pid')!r}, 'w').write(str(os.getpid())); time.sleep(60)",
     ]  # fmt: skip
     before = signal.getsignal(signal.SIGTERM)
@@ -390,45 +391,59 @@ def assert_session_gone(session: str) -> None:
         time.sleep(0.1)  # killed, until the kernel and init have reaped it
 
 
-def test_warm_in_process_compiles_every_module_with_one_build(monkeypatch):
-    """The baselines' modules are collected first (each baseline stops at its first module), compiled
-    by one build_jit_specs call, then every baseline is built for real (modules it asks for later are
-    built then); a build that fails is named with the error lines of its ninja output."""
+def test_warm_in_process_compiles_modules_together_in_rounds(monkeypatch, capsys):
+    """Each round builds the pending baselines, loading compiled modules and collecting the first
+    one missing; then one build_jit_specs call compiles the round's modules (a module a baseline
+    asks for only after another, like the prefill wrapper's page module, comes a round later). A
+    module that does not compile stops ninja: the round's others are built one by one, and it is
+    not tried again; a failure is named with the error lines of its ninja output."""
     import types
 
     bench = load_bench()
     loaded, batches = [], []
+    ninja_error = "Ninja build failed. Ninja output:\n[1/2] nvcc bad.cu\nbad.cu(3): error: no\nninja: stopped"
 
     class JitSpec:
         def __init__(self, name):
             self.name = name
 
         def build_and_load(self):
+            if self.name == "bad":
+                raise RuntimeError(ninja_error)
             loaded.append(self.name)
 
+    def build_jit_specs(specs):
+        batches.append([s.name for s in specs])
+        if "bad" in batches[-1]:
+            raise RuntimeError(ninja_error)
+
     core = types.ModuleType("flashinfer.jit.core")
-    core.JitSpec = JitSpec
-    core.build_jit_specs = lambda specs: batches.append([s.name for s in specs])
+    core.JitSpec, core.build_jit_specs = JitSpec, build_jit_specs
     package = types.ModuleType("flashinfer")
     package.jit = types.ModuleType("flashinfer.jit")
     package.jit.core = core
     for name, module in (("flashinfer", package), ("flashinfer.jit", package.jit), ("flashinfer.jit.core", core)):
         monkeypatch.setitem(sys.modules, name, module)
-    modules = {"decode": ["decode"], "prefill": ["prefill", "late"], "mixed": ["prefill"]}
+    modules = {"decode": ["decode"], "prefill": ["prefill", "page"], "mixed": ["prefill", "page"],
+               "pod": ["pod_prefill", "batch_pod"], "uses-bad": ["bad"]}  # fmt: skip
 
     def build(item, device):
         if item[0] == "broken":
-            raise RuntimeError(
-                "Ninja build failed. Ninja output:\n[1/2] nvcc x.cu\nx.cu(3): error: bad\nninja: stopped"
-            )
+            raise ValueError("FlashInfer does not take this shape")
         for name in modules[item[0]]:
             JitSpec(name).build_and_load()
 
-    failed = bench.warm_in_process([["decode"], ["prefill"], ["mixed"], ["broken"]], torch.device("cpu"), build)
-    assert batches == [["decode", "prefill"]]  # one build, each module once, before any load
-    assert loaded == ["decode", "prefill", "late", "prefill"]
-    assert JitSpec.build_and_load is not None and core.JitSpec.build_and_load.__name__ == "build_and_load"
-    assert failed == {"broken": "RuntimeError: Ninja build failed. Ninja output: | x.cu(3): error: bad"}
+    builds = [["decode"], ["prefill"], ["mixed"], ["pod"], ["uses-bad"], ["broken"]]
+    failed = bench.warm_in_process(builds, torch.device("cpu"), build)
+    assert batches == [["decode", "prefill", "pod_prefill", "bad"], ["page", "batch_pod"]]
+    built = [line.removeprefix(bench.BUILT_MARK) for line in capsys.readouterr().out.splitlines()
+             if line.startswith(bench.BUILT_MARK)]  # fmt: skip
+    assert built == ["decode", "prefill", "mixed", "pod"]
+    assert failed == {
+        "broken": "ValueError: FlashInfer does not take this shape",
+        "uses-bad": "RuntimeError: Ninja build failed. Ninja output: | bad.cu(3): error: no",
+    }
+    assert "bad" not in loaded and core.JitSpec.build_and_load.__name__ == "build_and_load"  # restored
 
 
 def test_a_baseline_whose_build_failed_is_not_tried_again(monkeypatch):
