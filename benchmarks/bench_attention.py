@@ -351,10 +351,9 @@ def kill_session(sid: int) -> None:
     for _ in range(5):  # a process may start one more between the scan and its kill
         alive = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                if (
-                    int(stat.read_text().rsplit(")", 1)[1].split()[3]) == sid
-                ):  # fields after comm: state ppid pgrp session
+            with contextlib.suppress(OSError, IndexError, ValueError):  # gone while read
+                state_ppid_pgrp_session = stat.read_text().rsplit(")", 1)[1].split()[:4]  # the fields after comm
+                if int(state_ppid_pgrp_session[3]) == sid:
                     alive.append(int(stat.parent.name))
         for pid in alive:
             with contextlib.suppress(ProcessLookupError):
