@@ -62,9 +62,10 @@ class Request:
     @property
     def num_pending(self) -> int:
         """Tokens without KV yet: the rest of the prompt, or the last sampled token (known or not)."""
-        if self.num_tokens >= self.max_len:
+        num_tokens = len(self.token_ids) + self.num_inflight  # self.num_tokens, without a second property
+        if num_tokens >= self.max_len:
             return 0  # its last token is sampled: it finishes by length, nothing more to compute
-        return self.num_tokens - self.num_computed
+        return num_tokens - self.num_computed
 
     @property
     def num_tokens(self) -> int:

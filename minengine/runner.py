@@ -56,27 +56,39 @@ class ModelRunner:
         """Device inputs of a batch (prefill chunks first, then decodes), and the requests whose
         next token it samples. Reads the requests as scheduled, before the step advances them."""
         ps = self.pool.page_size
-        prefill_ids, decode_slots, positions, slots, seq_lens, cu, rows = [], [], [], [], [], [0], []
+        prefill_ids, positions, slots, seq_lens, cu, rows = [], [], [], [], [0], []
         logits_rows, samplers = [], []
+        num_prefills, max_q = 0, 1
         for req, n in batch:
+            if not req.prefilling:
+                break  # the decodes, below
+            num_prefills += 1
             start = req.num_computed
             end = start + n
-            if req.prefilling:
-                prefill_ids += req.token_ids[start:end]
-            else:  # a decode: its input is the last sampled token, maybe still on the device only
-                decode_slots.append(req.slot)
-            if n == 1:
-                positions.append(start)
-                slots.append(req.pages[start // ps] * ps + start % ps)
-            else:
-                positions += range(start, end)
-                slots += [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
+            prefill_ids += req.token_ids[start:end]
+            positions += range(start, end)
+            slots += [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
             seq_lens.append(end)
             cu.append(cu[-1] + n)
             rows.append(req.slot)
+            max_q = max(max_q, n)
             if end == req.num_tokens:  # every known token computed: sample the next
                 logits_rows.append(cu[-1] - 1)
                 samplers.append(req)
+        # Decodes: one token each, the last sampled one (maybe still on the device only), so each
+        # samples. Whole-list comprehensions, cheaper per request than the loop above: decode
+        # batches are the engine's largest and most frequent.
+        decodes = [req for req, _ in batch[num_prefills:]]
+        decode_slots = [req.slot for req in decodes]
+        starts = [req.num_computed for req in decodes]
+        positions += starts
+        slots += [req.pages[start // ps] * ps + start % ps for req, start in zip(decodes, starts, strict=True)]
+        seq_lens += [start + 1 for start in starts]
+        first = cu[-1]
+        cu += range(first + 1, first + len(decodes) + 1)
+        rows += decode_slots
+        logits_rows += range(first, first + len(decodes))
+        samplers += decodes
 
         dev = self.device
         self.page_table.flush()
@@ -92,7 +104,7 @@ class ModelRunner:
             block_tables=self.page_table.table[rows_t],
             seq_lens=seq_lens_t,
             cu_seqlens_q=cu_t,
-            max_seqlen_q=max(n for _, n in batch),
+            max_seqlen_q=max_q,
             logits_indices=logits_t,
         )
         if self.kernels.stage is not None:
@@ -102,7 +114,7 @@ class ModelRunner:
     def launch(self, fb: ForwardBatch, samplers: list[Request]) -> Launched:
         """Run the forward and sampling; sampled tokens go to ``token_buffer`` on the device and
         are copied to the host without blocking."""
-        sample_slots = [req.slot for req in samplers]
+        sample_slots = to_device([req.slot for req in samplers], torch.int64, self.device)
         num_tokens = fb.input_ids.shape[0]
         graphable = fb.max_seqlen_q == 1 and len(samplers) == num_tokens  # decode-only, every row samples
         greedy = None  # each row's argmax, when the forward computed it (a graph)
@@ -113,11 +125,10 @@ class ModelRunner:
                 logits = self.model(fb, self.pool.layers, self.kernels)
         with step_range("sampling"):
             tokens = self.sampler(logits, samplers, greedy)
+        self.token_buffer[sample_slots] = tokens
         if self.device.type != "cuda":
-            self.token_buffer[sample_slots] = tokens
             # a graph's output is overwritten by the next step, launched before this one is read
             return Launched(samplers, tokens if greedy is None else tokens.clone(), None)
-        self.token_buffer[to_device(sample_slots, torch.int64, self.device)] = tokens
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()

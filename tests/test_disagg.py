@@ -341,13 +341,17 @@ def test_a_restarted_prefill_server_is_greeted_again(pair, reference):
     pd.run_until(pd.idle)
 
 
-def test_a_request_queued_for_decode_kv_does_not_time_out(pair):
+def test_a_request_queued_for_decode_kv_does_not_time_out(pair, monkeypatch):
     """The decode pool is full for longer than the timeout; the prefill half of the queued request
     waits (its decode server claimed the room) instead of failing."""
     # Both sides step in this one thread, and pings go every timeout / 4: a timeout of 1 s leaves
     # 0.75 s for one loop turn (about 0.15 s at most here, under load), where 0.5 s left too little.
     # reserve: r0's whole sequence (233 tokens) is held for it, so r1 waits in the prealloc queue
     pd = pair(timeout=1.0, decode_radix=False, decode={"max_total_tokens": 256, "kv_admission": "reserve"})
+    # r0 must outlast the timeout however fast the machine: 230 decode steps of 5 ms or more (unslowed,
+    # a fast 2-core machine decoded them in 0.85-0.95 s, and the test failed)
+    real_step = pd.d.engine.step
+    monkeypatch.setattr(pd.d.engine, "step", lambda: time.sleep(0.005) or real_step())
     pd.submit("r0", PROMPTS[3], SamplingParams(max_tokens=230, temperature=0, ignore_eos=True))
     pd.submit("r1", PROMPTS[3])
     pd.run_until(lambda: len(pd.d.prealloc) == 1 and pd.out.get("d:r0"))

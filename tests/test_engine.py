@@ -225,6 +225,50 @@ def test_max_tokens_gives_length(llm):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
+def test_prepare_builds_every_input_of_mixed_batches(monkeypatch):
+    """Every step's device inputs, checked field by field against the requests as scheduled:
+    prompt chunks that sample and that do not, a one-token prompt, decodes beside them."""
+    llm = LLM("tiny", page_size=4, chunked_prefill_size=16, disable_overlap_schedule=True, max_total_tokens=2048)
+    runner, ps = llm.engine.runner, 4
+    seen = set()
+    real = runner.prepare
+
+    def checked(batch):
+        before = [(req, n, req.num_computed, list(req.token_ids), list(req.pages), req.num_tokens) for req, n in batch]
+        prefilling = [req.prefilling for req, _ in batch]
+        assert prefilling == sorted(prefilling, reverse=True), "prefill chunks come first"
+        fb, samplers = real(batch)
+        ids, positions, slots, seq_lens, cu, logits, expect_samplers = [], [], [], [], [0], [], []
+        for (req, n, start, tokens, pages, num_tokens), pre in zip(before, prefilling, strict=True):
+            ids += tokens[start : start + n] if pre else [tokens[-1]]  # overlap off: the last token is known
+            assert pre or n == 1
+            positions += range(start, start + n)
+            slots += [pages[p // ps] * ps + p % ps for p in range(start, start + n)]
+            seq_lens.append(start + n)
+            cu.append(cu[-1] + n)
+            if start + n == num_tokens:
+                logits.append(cu[-1] - 1)
+                expect_samplers.append(req)
+            assert fb.block_tables[len(seq_lens) - 1, : len(pages)].tolist() == pages
+            seen.add("prefill" if pre else "decode")
+            seen.update({"one-token prefill"} if pre and n == 1 else set())
+            seen.update({"chunk without a sample"} if start + n < num_tokens else set())
+        seen.update({"mixed"} if any(prefilling) and not all(prefilling) else set())
+        assert fb.input_ids.tolist() == ids and fb.positions.tolist() == positions
+        assert fb.slot_mapping.tolist() == slots and fb.seq_lens.tolist() == seq_lens
+        assert fb.cu_seqlens_q.tolist() == cu and fb.logits_indices.tolist() == logits
+        assert fb.max_seqlen_q == max(n for _, n in batch) and samplers == expect_samplers
+        assert (fb.positions.dtype, fb.seq_lens.dtype, fb.cu_seqlens_q.dtype) == (torch.int64, torch.int32, torch.int32)
+        return fb, samplers
+
+    monkeypatch.setattr(runner, "prepare", checked)
+    prompts = [[7] * 3, [8] * 5, list(range(1, 41)), [9], list(range(2, 19)), list(range(3, 36))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert seen == {"prefill", "decode", "mixed", "one-token prefill", "chunk without a sample"}
+    llm.shutdown()
+
+
 def test_kv_pressure_queues_and_keeps_accounting(kv_checked_steps):
     """KV for only ~3 of 8 requests at once: the rest wait, all finish, pages balance every step."""
     llm = LLM("tiny", page_size=4, max_total_tokens=96, chunked_prefill_size=16)

@@ -152,3 +152,18 @@ def test_to_device_packed_splits_one_buffer_in_order():
     assert all(v.dtype == torch.int64 and v.is_contiguous() for v in views)
     (a,) = to_device_packed([[1, 2]], torch.int32, torch.device("cpu"))
     assert a.dtype == torch.int32 and a.tolist() == [1, 2]
+
+
+def test_to_device_converts_exactly_or_refuses():
+    import pytest
+    import torch
+
+    from minengine.memory.kv_pool import to_device
+
+    cpu = torch.device("cpu")
+    assert to_device(iter([4, 5, 6]), torch.int64, cpu, count=3).tolist() == [4, 5, 6]
+    assert to_device([], torch.int32, cpu).shape == (0,)
+    temps = to_device([0.7, 1.0], torch.float32, cpu)
+    assert temps.dtype == torch.float32 and temps.tolist() == pytest.approx([0.7, 1.0])
+    with pytest.raises(OverflowError):  # as torch.tensor refuses it: never a wrapped page id or length
+        to_device([2**31], torch.int32, cpu)

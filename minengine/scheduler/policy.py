@@ -29,9 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-
 # NOTE: the per-request records are NamedTuples (immutable, and about 2x cheaper to build than
-# frozen dataclasses: the scheduler builds one per running request every step).
+# frozen dataclasses: the scheduler builds one per running request every step). Calling the class
+# runs type.__call__ and a generated Python __new__; ``new_record(RunningInfo, fields)`` (every field
+# given) makes the same record about 3x faster still.
+new_record = tuple.__new__
+
+
 class RunningInfo(NamedTuple):
     rid: int
     num_pending: int  # tokens known but not yet in the KV cache
@@ -93,9 +97,12 @@ def build_schedule(running: list[RunningInfo], waiting: list[WaitingInfo], budge
     queue = list(running)  # preemption takes from its end
     scheduled, preempted = [], []
     i = 0
+    threshold = budget.long_prefill_threshold
     while i < len(queue):
         r = queue[i]
-        n = _chunk(r.num_pending, tokens_left, budget.long_prefill_threshold if r.prefilling else None)
+        n = r.num_pending if r.num_pending < tokens_left else tokens_left  # _chunk, inline: once per request a step
+        if r.prefilling and threshold is not None and threshold < n:
+            n = threshold
         if n > 0 and budget.preempt:
             need = max(0, -(-(r.num_computed + n) // ps) - r.held_pages)
             while need > available and (victim := _newest_preemptible(queue, i)) is not None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from minengine.memory import PageAllocator, PageTable, RadixCache
 from minengine.request import Request, Status
-from minengine.scheduler.policy import Budget, RunningInfo, Schedule, WaitingInfo, build_schedule
+from minengine.scheduler.policy import Budget, RunningInfo, Schedule, WaitingInfo, build_schedule, new_record
 from minengine.scheduler.prefill_delayer import PrefillDelayer, WorkerInfo
 
 
@@ -89,15 +89,18 @@ class Scheduler:
         preempted = False
         while True:
             running = [
-                RunningInfo(
-                    r.rid,
-                    r.num_pending,
-                    r.prefilling,
-                    len(r.pages),
-                    -(-r.max_len // ps),
-                    r.num_computed,
-                    len(r.pages) - r.cached_pages,
-                    True,
+                new_record(
+                    RunningInfo,
+                    (
+                        r.rid,
+                        r.num_pending,
+                        r.prefilling,
+                        len(r.pages),
+                        -(-r.max_len // ps),
+                        r.num_computed,
+                        len(r.pages) - r.cached_pages,
+                        True,
+                    ),
                 )
                 for r in self.running
             ]
@@ -131,7 +134,8 @@ class Scheduler:
         for rid, n in (*plan.running, *plan.admitted):
             if n > 0:
                 req = by_rid[rid]
-                self._grow(req, req.num_computed + n)
+                if -(-(req.num_computed + n) // ps) > len(req.pages):  # (most decodes have their page)
+                    self._grow(req, req.num_computed + n)
                 (prefills if req.prefilling else decodes).append((req, n))
         return prefills + decodes
 

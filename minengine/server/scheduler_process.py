@@ -36,6 +36,7 @@ from minengine.server.protocol import (
     Shutdown,
     StepOutput,
     TokenUpdate,
+    new_record,
 )
 
 logger = logging.getLogger(__name__)
@@ -151,7 +152,8 @@ def engine_updates(engine: Engine, live: dict[str, Request]) -> list[TokenUpdate
     for req in engine.step():
         rid = rids[id(req)]
         first = len(req.token_ids) == len(req.prompt_ids) + 1  # its first output token
-        updates.append(TokenUpdate(rid, [req.token_ids[-1]], req.finish_reason, req.cached_tokens if first else 0))
+        cached = req.cached_tokens if first else 0
+        updates.append(new_record(TokenUpdate, (rid, [req.token_ids[-1]], req.finish_reason, cached, None)))
         if req.finished:
             del live[rid]
     return updates
