@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
+import re
 import sys
 from pathlib import Path
 
@@ -97,10 +98,12 @@ def report(argv: list[str] | None, script: str, device: torch.device, args, rows
 
 
 def stem(prefix: str, report: dict) -> str:
-    """File name stem of a result: the prefix and the device, or ``<prefix>_smoke``."""
+    """File name stem of a result: the prefix and the device, or ``<prefix>_smoke``. Only letters,
+    digits, ``.``, ``-`` and ``_``: a CPU's name ("Intel(R) Xeon(R) Processor @ 2.50GHz") becomes
+    ``Intel_R_Xeon_R_Processor_2.50GHz``, a name every shell and file transfer takes as it is."""
     if report["config"].get("smoke"):
         return f"{prefix}_smoke"
-    return f"{prefix}_" + str(report["info"]["device"]).replace(" ", "_")
+    return f"{prefix}_" + re.sub(r"[^A-Za-z0-9.-]+", "_", str(report["info"]["device"])).strip("_")
 
 
 def save(out_dir: Path, stem: str, report: dict, markdown: str) -> None:

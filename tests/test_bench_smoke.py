@@ -139,6 +139,19 @@ def test_bench_frontend_smoke(tmp_path):
     assert "| 1.0 | on |" in (tmp_path / "frontend_smoke.md").read_text()
 
 
+def test_result_file_names_are_plain():
+    """Result files are named after the device; a CPU's name has brackets, "@" and spaces."""
+    stem = load_bench("bench_host_step").stem  # _common's
+    names = {
+        "Intel(R) Xeon(R) Processor @ 2.50GHz": "host_step_Intel_R_Xeon_R_Processor_2.50GHz",
+        "NVIDIA H100 80GB HBM3": "host_step_NVIDIA_H100_80GB_HBM3",
+        "AMD EPYC": "host_step_AMD_EPYC",
+    }
+    for device, expected in names.items():
+        assert stem("host_step", {"config": {}, "info": {"device": device}}) == expected
+    assert stem("host_step", {"config": {"smoke": True}, "info": {"device": "x y"}}) == "host_step_smoke"
+
+
 def test_bench_host_step_smoke(tmp_path):
     bench = load_bench("bench_host_step")
     report = bench.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)])
