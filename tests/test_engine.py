@@ -269,6 +269,30 @@ def test_prepare_builds_every_input_of_mixed_batches(monkeypatch):
     llm.shutdown()
 
 
+def test_records_built_field_by_field_have_every_field(llm, monkeypatch):
+    """The per-request records the scheduler and its sender build with ``tuple.__new__`` (no
+    constructor checks their fields) are whole: one value per field."""
+    from minengine.scheduler import scheduler as scheduler_module
+    from minengine.scheduler.policy import RunningInfo
+    from minengine.server.protocol import TokenUpdate
+    from minengine.server.scheduler_process import engine_updates
+
+    seen = []
+    real = scheduler_module.build_schedule
+    monkeypatch.setattr(
+        scheduler_module, "build_schedule", lambda running, *a: seen.extend(running) or real(running, *a)
+    )
+    engine, live = llm.engine, {}
+    for i in range(3):
+        live[f"r{i}"] = engine.add_request([5 + i, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    updates = []
+    while engine.has_unfinished():
+        updates += engine_updates(engine, live)
+    assert seen and all(type(r) is RunningInfo and len(r) == len(RunningInfo._fields) for r in seen)
+    assert len(updates) == 9 and all(len(u) == len(TokenUpdate._fields) for u in updates)
+    assert not live
+
+
 def test_kv_pressure_queues_and_keeps_accounting(kv_checked_steps):
     """KV for only ~3 of 8 requests at once: the rest wait, all finish, pages balance every step."""
     llm = LLM("tiny", page_size=4, max_total_tokens=96, chunked_prefill_size=16)

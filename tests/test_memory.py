@@ -165,5 +165,10 @@ def test_to_device_converts_exactly_or_refuses():
     assert to_device([], torch.int32, cpu).shape == (0,)
     temps = to_device([0.7, 1.0], torch.float32, cpu)
     assert temps.dtype == torch.float32 and temps.tolist() == pytest.approx([0.7, 1.0])
-    with pytest.raises(OverflowError):  # as torch.tensor refuses it: never a wrapped page id or length
-        to_device([2**31], torch.int32, cpu)
+    assert to_device([True, False], torch.bool, cpu).tolist() == [True, False]  # any other dtype: torch.tensor's way
+    for dtype, bad in [(torch.int32, 2**31), (torch.int32, -(2**31) - 1), (torch.int64, 2**63)]:
+        with pytest.raises(OverflowError):  # never a wrapped length or page id, whatever numpy's version
+            to_device([0, bad, 1], dtype, cpu)
+    with pytest.raises(OverflowError, match=r"value 2147483648 is out of the int32 range \[-2147483648, 2147483647\]"):
+        to_device(iter([2**31]), torch.int32, cpu, count=1)
+    assert to_device([-(2**31), 2**31 - 1], torch.int32, cpu).tolist() == [-(2**31), 2**31 - 1]
