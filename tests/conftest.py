@@ -35,6 +35,25 @@ def release_gpu_memory():
         torch.cuda.empty_cache()
 
 
+@pytest.fixture(autouse=True)
+def batches_as_prepare_reads_them(monkeypatch):
+    """Every batch the engine prepares, in every test: prefill chunks first, then decodes of one
+    token each, the last sampled (``ModelRunner.prepare`` builds decode inputs on that without
+    looking; the engine does not pay for the check)."""
+    from minengine.runner import ModelRunner
+
+    real = ModelRunner.prepare
+
+    def prepare(self, batch):
+        prefilling = [req.prefilling for req, _ in batch]
+        assert prefilling == sorted(prefilling, reverse=True), "prefill chunks come first"
+        for req, n in batch:
+            assert req.prefilling or (n == 1 and req.num_computed + 1 == req.num_tokens), (req.rid, n)
+        return real(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "prepare", prepare)
+
+
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")

@@ -136,11 +136,9 @@ class Scheduler:
                 req = by_rid[rid]
                 if -(-(req.num_computed + n) // ps) > len(req.pages):  # (most decodes have their page)
                     self._grow(req, req.num_computed + n)
-                if req.prefilling:
-                    prefills.append((req, n))
-                else:  # ModelRunner.prepare's decode: one token, the last sampled (about 12 us at batch 256)
-                    assert req.num_computed + 1 == req.num_tokens, f"request {rid}: decode of {n}"
-                    decodes.append((req, n))
+                # a decode is one token, the last sampled: ModelRunner.prepare relies on it (the tests
+                # check it on every batch, tests/conftest.py)
+                (prefills if req.prefilling else decodes).append((req, n))
         return prefills + decodes
 
     def advance(self, batch: list[tuple[Request, int]]) -> None:
