@@ -78,24 +78,25 @@ def to_device_packed(lists: list[list], dtype: torch.dtype, device: torch.device
 
 # NOTE: numpy reads a list of Python ints about 3x faster than torch.tensor does (1.5k ints: 36 us
 # against 130 us on the build machine), and the scheduler's path converts several such lists a step
-_NUMPY = {torch.int64: np.int64, torch.float32: np.float32}
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 _INT32 = (-(2**31), 2**31 - 1)
+# numpy 2 refuses a Python int out of the dtype's range; numpy 1 wraps it into int32 (with a warning)
+_WRAPS_INT32 = int(np.__version__.split(".")[0]) < 2
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device, count: int = -1) -> torch.Tensor:
     """Host values (a list, or an iterable of exactly ``count`` values) on the device: through pinned
     memory and a non-blocking copy on CUDA. A value out of the dtype's range raises OverflowError."""
-    if dtype is torch.int32:
-        # through int64 and a range check: numpy before 2.0 wraps an int32 that overflows
+    if dtype not in _NUMPY:
+        host = torch.tensor(list(values), dtype=dtype)
+    elif dtype is torch.int32 and _WRAPS_INT32:  # through int64 and a range check
         wide = np.fromiter(values, dtype=np.int64, count=count)
         if wide.size and (wide.min() < _INT32[0] or wide.max() > _INT32[1]):
             bad = int(wide[(wide < _INT32[0]) | (wide > _INT32[1])][0])
             raise OverflowError(f"value {bad} is out of the int32 range [{_INT32[0]}, {_INT32[1]}]")
         host = torch.from_numpy(wide.astype(np.int32))
-    elif dtype in _NUMPY:
-        host = torch.from_numpy(np.fromiter(values, dtype=_NUMPY[dtype], count=count))
     else:
-        host = torch.tensor(list(values), dtype=dtype)
+        host = torch.from_numpy(np.fromiter(values, dtype=_NUMPY[dtype], count=count))
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
