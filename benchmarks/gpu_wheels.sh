@@ -8,10 +8,15 @@
 #   bash benchmarks/gpu_wheels.sh            # server stack + pyzmq + openai (about 7 MB): tests, engine, serving
 #   bash benchmarks/gpu_wheels.sh flashinfer # + flashinfer-python and its runtime needs (kernels, serving backends)
 #   bash benchmarks/gpu_wheels.sh disagg     # server stack + pyzmq + nixl (about 60 MB; no openai, no flashinfer)
+#
+# WHEELS_PYTHON (default 3.12, the GPU image's) and WHEELS_DIR (default .whl) take the same set for
+# another Python into another folder: .ci/gpu-image uses them to try the set on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .gitignore .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
-rm -rf .whl && mkdir -p .whl
+PYVER=${WHEELS_PYTHON:-3.12}
+DIR=${WHEELS_DIR:-.whl}
+rm -rf "$DIR" && mkdir -p "$DIR"
 # each package's Requires-Dist, less what the image has (checked with `unzip -p W '*/METADATA'`)
 SERVER="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic_core==2.46.4
   annotated-types==0.7.0 typing-inspection==0.4.2 opentelemetry-api==1.45.2 pyzmq==27.3.0"
@@ -28,9 +33,9 @@ case ${1:-base} in
   *) echo "unknown set $1; allowed: base flashinfer disagg" >&2; exit 2 ;;
 esac
 # shellcheck disable=SC2086
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-  -d .whl $pkgs
-ls .whl
-du -sh .whl
+  -d "$DIR" $pkgs
+ls "$DIR"
+du -sh "$DIR"
