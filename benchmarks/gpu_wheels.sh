@@ -16,7 +16,6 @@ cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .gitignore .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 PYVER=${WHEELS_PYTHON:-3.12}
 DIR=${WHEELS_DIR:-.whl}
-rm -rf "$DIR" && mkdir -p "$DIR"
 # each package's Requires-Dist, less what the image has (checked with `unzip -p W '*/METADATA'`)
 SERVER="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic_core==2.46.4
   annotated-types==0.7.0 typing-inspection==0.4.2 opentelemetry-api==1.45.2 pyzmq==27.3.0"
@@ -32,6 +31,7 @@ case ${1:-base} in
   disagg) pkgs="$SERVER $NIXL" ;;
   *) echo "unknown set $1; allowed: base flashinfer disagg" >&2; exit 2 ;;
 esac
+rm -rf "$DIR" && mkdir -p "$DIR"  # only once the set is known: a typo keeps the wheels there
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
