@@ -27,10 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+def start_server(*flags: str, tmpdir: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A server process; ``tmpdir`` becomes its TMPDIR (where its folder of ZMQ sockets goes)."""
     port = free_port()
     cmd = [sys.executable, "-m", "minengine.serve", "--port", str(port), "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -467,10 +469,17 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_sigterm_aborts_in_flight_and_exits_cleanly():
-    proc, url = start_server()
+def ipc_dirs(tmpdir: Path) -> list[Path]:
+    from minengine.server.scheduler_process import IPC_DIR_PREFIX
+
+    return [p for p in tmpdir.iterdir() if p.name.startswith(IPC_DIR_PREFIX)]
+
+
+def test_sigterm_aborts_in_flight_and_exits_cleanly(tmp_path):
+    proc, url = start_server(tmpdir=tmp_path)
     kids = children(proc.pid)
     assert kids
+    assert len(ipc_dirs(tmp_path)) == 1
     reasons = []
 
     async def stream():
@@ -489,6 +498,7 @@ def test_sigterm_aborts_in_flight_and_exits_cleanly():
     assert reasons[-1] == "abort"
     assert proc.returncode == 0
     assert wait_for(lambda: not any(alive(k) for k in kids), 5)
+    assert ipc_dirs(tmp_path) == []
 
 
 def test_shutting_down_answers_503():
@@ -511,12 +521,15 @@ def test_shutting_down_answers_503():
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
 
 
-def test_scheduler_exits_when_front_end_dies():
-    proc, _ = start_server()
+def test_scheduler_exits_when_front_end_dies(tmp_path):
+    proc, _ = start_server(tmpdir=tmp_path)
     kids = children(proc.pid)
+    assert len(ipc_dirs(tmp_path)) == 1
     proc.kill()
     proc.wait()
     assert wait_for(lambda: not any(alive(k) for k in kids), 10)
+    # the front end could not remove its folder of sockets; the worker it left did
+    assert ipc_dirs(tmp_path) == []
 
 
 # --- CLI -------------------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ import datetime
 import logging
 import os
 import pickle
+import shutil
 import signal
+import time
 import traceback
 
 import torch
@@ -45,8 +47,35 @@ LOCKSTEP_POLL_MS = 2
 PENDING_POLL_MS = 1
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the parent exits (the getppid check in the loop backs it up)."""
+IPC_DIR_PREFIX = "minengine-ipc-"  # the front end's folder of ZMQ sockets (server/workers.py)
+ORPHAN_WAIT_S = 0.5  # what a SIGTERM waits for a dying parent (a live one's terminate() waits as long)
+
+
+def _remove_orphaned_ipc_dir(requests_addr: str, parent_pid: int) -> None:
+    """The front end removes its IPC folder when it stops; when it died without stopping (SIGKILL,
+    the OOM killer), the workers it leaves behind remove it. Nothing is removed while it lives."""
+    if os.getppid() == parent_pid or not requests_addr.startswith("ipc://"):
+        return
+    folder = os.path.dirname(requests_addr[len("ipc://") :])
+    if os.path.basename(folder).startswith(IPC_DIR_PREFIX):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _die_with_parent(requests_addr: str, parent_pid: int) -> None:
+    """Ask Linux to SIGTERM us when the parent exits (the getppid check in the loop backs it up).
+    That SIGTERM first removes the IPC folder a dead parent left, then ends us as before."""
+
+    def on_sigterm(signum, frame):
+        # the signal comes when the parent's thread that started us exits; its other threads (a
+        # SIGKILL ends them all) may still be going, and until they are, getppid() is the parent's
+        deadline = time.monotonic() + ORPHAN_WAIT_S
+        while os.getppid() == parent_pid and time.monotonic() < deadline:
+            time.sleep(0.005)
+        _remove_orphaned_ipc_dir(requests_addr, parent_pid)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -66,7 +95,7 @@ def run_scheduler(
     rank: int = 0,
     dist_addr: str | None = None,
 ) -> None:
-    _die_with_parent()
+    _die_with_parent(requests_addr, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -96,6 +125,7 @@ def run_scheduler(
         ctx.term()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        _remove_orphaned_ipc_dir(requests_addr, parent_pid)
 
 
 class LocalDriver:

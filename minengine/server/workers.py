@@ -11,7 +11,7 @@ import tempfile
 from minengine.config import EngineConfig
 from minengine.server.frontend import SchedulerClient
 from minengine.server.metrics import Metrics
-from minengine.server.scheduler_process import run_scheduler
+from minengine.server.scheduler_process import IPC_DIR_PREFIX, run_scheduler
 
 
 def free_port() -> int:
@@ -25,7 +25,7 @@ class Workers:
     that talks to them. Create the client's sockets (``client``) before awaiting ``start``."""
 
     def __init__(self, config: EngineConfig, metrics: Metrics):
-        self.ipc_dir = tempfile.mkdtemp(prefix="minengine-")
+        self.ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         requests = [f"ipc://{self.ipc_dir}/requests-{i}" for i in range(config.dp_size)]
         outputs = f"ipc://{self.ipc_dir}/outputs"
         self.client = SchedulerClient(requests, outputs, metrics, config.load_balance_method)
