@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from starlette.background import BackgroundTask
 
 from minengine.serve import LOG_LEVELS, OneLineParser
-from minengine.server.api import error_response, openai_errors
+from minengine.server.api import APIError, error_response, load_json_object, openai_errors
 
 logger = logging.getLogger("minengine.router")
 BLOCK_CHARS = 16  # prefix granularity of the routing table
@@ -155,11 +155,9 @@ class Router:
 
     async def forward(self, path: str, raw: Request) -> Response:
         try:
-            body = json.loads(await raw.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, f"malformed JSON body: {exc}")
-        if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object")
+            body = load_json_object(await raw.body())
+        except APIError as exc:
+            return error_response(exc.status, exc.message)
         key = routing_key(body)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
@@ -219,6 +217,7 @@ class Router:
                     return Response(status_code=499)
         finally:
             d.in_flight -= 1
+        refused = False
         try:
             resp = decode.result()
             answer = Response(resp.content, status_code=resp.status_code, media_type="application/json")
@@ -227,15 +226,19 @@ class Router:
                 prefill.cancel()  # its server must not wait for this pairing
                 raise _Refused(d.url) from None
             d.unreachable(exc)
+            refused = isinstance(exc, httpx.ConnectError)
             answer = error_response(502, f"the decode server {d.url} failed: {exc!r}")
         if answer.status_code == 200:
             self._finish_in_background(prefill)  # it ends on its own once its KV has landed
             return answer
         # the decode half failed. A 4xx is the client's error (the decode server checks more: the
-        # whole max_tokens); otherwise a failed prefill half is the cause. Either way the prefill
-        # half can never hand its KV over, so it is stopped.
+        # whole max_tokens); otherwise a failed prefill half may be the cause, so it gets a moment
+        # to say so (not when the decode server refused the connection: it never saw the
+        # request, so the prefill half can only wait for it). Either way the prefill half can
+        # never hand its KV over, so it is stopped.
         if answer.status_code >= 500:
-            await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)  # (raises nothing of its own)
+            if not refused:
+                await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)  # (raises nothing of its own)
             if prefill.done() and (failed := _failure(prefill, p)) is not None:
                 self.failures.labels(server=p.url).inc()
                 return failed
@@ -360,12 +363,19 @@ class Router:
         return Response(status_code=200)
 
     async def models(self) -> Response:
-        d = self.decode.backends[0]
-        try:
-            resp = await self.client.get(d.url + "/v1/models", timeout=5)
-        except httpx.HTTPError as exc:
-            return error_response(502, f"the decode server {d.url} failed: {exc!r}")
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        """The first decode server that answers (those not marked down first): all serve one model."""
+        now = time.monotonic()
+        order = sorted(self.decode.backends, key=lambda b: b.down_until > now)
+        errors = []
+        for d in order:
+            try:
+                resp = await self.client.get(d.url + "/v1/models", timeout=5)
+            except httpx.HTTPError as exc:
+                d.unreachable(exc)
+                errors.append(f"the decode server {d.url} failed: {exc!r}")
+                continue
+            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        return error_response(502, "; ".join(errors))
 
     async def close(self) -> None:
         for task in list(self._background):

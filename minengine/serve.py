@@ -67,12 +67,44 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
 
 
 class _Server(uvicorn.Server):
-    """uvicorn with our shutdown: on SIGTERM / SIGINT, 503 for new requests, in-flight ones end
-    (finished or ``abort``), then exit; a second signal exits at once."""
+    """uvicorn with our start-up and shutdown. Start-up: the workers load the model and answer
+    Ready before the port opens (a worker that fails ends the run with its one-line reason; a
+    signal ends it, exit code 0). Shutdown, on SIGTERM / SIGINT: 503 for new requests, in-flight ones
+    end (finished or ``abort``), then exit; a second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, state):
+    def __init__(self, config: uvicorn.Config, state, workers, describe):
         super().__init__(config)
-        self.state = state
+        self.state, self.workers, self.describe = state, workers, describe
+        self.failed: str | None = None  # why start-up failed
+        self.stopped_early = False  # a signal came while the workers started
+
+    async def serve(self, sockets=None) -> None:
+        from minengine.server.api import _summary
+        from minengine.server.frontend import SchedulerDied
+
+        client = self.state.client
+        loop = asyncio.get_running_loop()
+        start = asyncio.ensure_future(self.workers.start())
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, start.cancel)
+        try:
+            try:
+                ready = await start
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+            logger.info("%s", self.describe(ready))
+            await super().serve(sockets)
+        except SchedulerDied as exc:
+            self.failed = _summary(exc)
+        except asyncio.CancelledError:
+            if not start.cancelled():
+                raise
+            logger.info("stopped while the workers started")
+            self.stopped_early = True
+        finally:  # inside the event loop, where zmq.asyncio sockets must be closed
+            client.shutdown()
+            client.close()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -100,51 +132,44 @@ class _Server(uvicorn.Server):
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     from minengine.models import load_tokenizer
     from minengine.server.api import ServerState, build_app
-    from minengine.server.frontend import SchedulerDied
     from minengine.server.metrics import Metrics
     from minengine.server.workers import Workers
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prog = build_parser().prog
+    source = config.tokenizer or config.model
+    try:  # before any worker starts: a wrong path fails at once, and nothing is left behind
+        tokenizer = load_tokenizer(source)
+    except Exception as exc:  # no tokenizer.json, a malformed one, not a folder, ...
+        flag = "--tokenizer" if config.tokenizer else "--model"
+        print(f"{prog}: error: argument {flag}: cannot load a tokenizer from {source!r}: {exc}", file=sys.stderr)
+        return 2
     metrics = Metrics()
-    workers = Workers(config, metrics)  # the schedulers load the model while we start up
-    client = workers.client
-    tokenizer = load_tokenizer(config.tokenizer or config.model)
-    state = ServerState(client, tokenizer, args.served_model_name or config.model, metrics, config.disaggregation_mode)
+    workers = Workers(config, metrics)  # the schedulers load the model; the port opens once they are ready
+    name = args.served_model_name or config.model
+    state = ServerState(workers.client, tokenizer, name, metrics, config.disaggregation_mode)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        ready = await workers.start()
-        logger.info(
-            "serving %s on http://%s:%d (%d worker(s), context %d, KV capacity %d tokens each)",
-            state.served_model_name,
-            args.host,
-            args.port,
-            config.dp_size,
-            ready.context_length,
-            ready.kv_capacity_tokens,
+    def describe(ready) -> str:
+        return (
+            f"serving {state.served_model_name} on http://{args.host}:{args.port} ({config.dp_size} worker(s), "
+            f"context {ready.context_length}, KV capacity {ready.kv_capacity_tokens} tokens each)"
         )
-        try:
-            yield
-        finally:  # inside the event loop, where zmq.asyncio sockets must be closed
-            client.shutdown()
-            client.close()
 
-    app = build_app(state, lifespan)
+    app = build_app(state)
     server = _Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3),
         state,
+        workers,
+        describe,
     )
-    code = 0
     try:
         server.run()
-        if not server.started:
-            code = 1
-    except SchedulerDied as exc:
-        logger.error("%s", exc)
-        code = 1
     finally:
         workers.stop()
-    return code
+    if server.failed is not None:
+        print(f"{prog}: error: {server.failed}", file=sys.stderr)
+        return 1
+    return 0 if server.started or server.stopped_early else 1
 
 
 def main(argv: list[str] | None = None) -> int:

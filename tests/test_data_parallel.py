@@ -178,3 +178,43 @@ def test_requests_are_checked_against_the_smallest_worker_pool(tmp_path):
 
     ready = asyncio.run(run())
     assert ready.kv_capacity_tokens == 1024 and ready.context_length == 4096
+
+
+def test_gauges_a_worker_sent_before_the_others_were_ready_are_kept(tmp_path):
+    """A worker that is ready first sends its gauges while the front end still waits for the
+    others; an idle worker sends them only when they change, so they must not be dropped."""
+    import pickle
+
+    import zmq
+    from prometheus_client import generate_latest
+
+    from minengine.server.frontend import SchedulerClient
+    from minengine.server.metrics import Metrics
+    from minengine.server.protocol import Ready, StepOutput
+
+    stats = {"kv_pages_total": 100, "kv_pages_in_use": 0}
+    rank_stats = [stats, stats | {"kv_pages_total": 60}]
+
+    async def run() -> str:
+        m = Metrics()
+        client = SchedulerClient([f"ipc://{tmp_path}/r0", f"ipc://{tmp_path}/r1"], f"ipc://{tmp_path}/out", m)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"ipc://{tmp_path}/out")
+        try:
+            for rank in (0, 1):  # each worker: Ready, then its first step's gauges
+                push.send(pickle.dumps(Ready(260, 4096, 4096, rank)))
+                push.send(pickle.dumps(StepOutput(rank, [], rank_stats[rank])))
+            await client.start(lambda: True, timeout=10)
+            for _ in range(100):
+                if client.stats[1]:
+                    break
+                await asyncio.sleep(0.01)
+            return generate_latest(m.registry).decode()
+        finally:
+            client.close()
+            push.close(0)
+            ctx.term()
+
+    text = asyncio.run(run())
+    assert "minengine:kv_pages_total 160.0" in text, [line for line in text.splitlines() if "pages_total" in line]

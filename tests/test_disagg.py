@@ -394,6 +394,8 @@ def test_a_lost_final_answer_is_asked_for_again(pair, reference, monkeypatch, lo
     pd.p.xfer.answers.clear()
     r = pd.d.xfer.receiver("127.0.0.1", pd.port, 4242)
     r.accepted, r.meta = True, ("meta", 4242, [], 0)
+    # as ``init`` does: silence counts from now (waiting for idle above may take over a timeout)
+    pd.d.xfer.conns[r.addr].last_heard = time.monotonic()
     pd.d.xfer._send(r.addr, ("status", 4242))
     pd.run_until(lambda: not r.outstanding, timeout=5)
     assert "no request room 4242" in r.error
@@ -677,3 +679,25 @@ def test_page_runs_and_descriptors():
             # the run's bytes are exactly those pages of that layer
             assert addr + size == base + (layer * 10 + start + n) * page_bytes
     assert np.array_equal(transfer.page_runs([1], [5])[2], [1])
+
+
+@pytest.mark.parametrize("host", ["::1", "localhost"])
+def test_bootstrap_hosts_other_than_an_ipv4_literal(pair, reference, host):
+    """An IPv6 literal (the router passes a URL's hostname, ``::1`` for ``http://[::1]:p``) and a
+    name reach the prefill server's bootstrap socket as ``127.0.0.1`` does."""
+    import socket
+
+    assert transfer.tcp_address("::1", 5) == "tcp://[::1]:5"
+    assert transfer.tcp_address("10.0.0.1", 5) == "tcp://10.0.0.1:5"
+    if host == "::1":
+        try:
+            socket.socket(socket.AF_INET6).close()
+        except OSError:
+            pytest.skip("no IPv6 on this machine")
+    pd = pair()
+    b = Bootstrap(host, pd.port, 77)
+    for side, driver in (("p", pd.p), ("d", pd.d)):
+        pd._record(side, driver.add(AddRequest("r", list(PROMPTS[3]), GREEDY, b)))
+    pd.run_until(pd.done("d:r", "p:r"))
+    assert pd.out["d:r"]["error"] is None and pd.out["d:r"]["tokens"] == reference(PROMPTS[3:4])[0]
+    pd.run_until(pd.idle)

@@ -534,3 +534,91 @@ def test_a_failed_decode_half_beside_a_refused_prefill_half_is_a_502(decode_stat
 
     r = asyncio.run(run())
     assert r.status_code == 502 and "the prefill server http://p failed" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": "hi", "temperature": NaN}',
+        b'{"prompt": "hi", "temperature": Infinity, "stream": true}',
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'["a list"]',
+        b"\xff",
+    ],
+    ids=["nan", "infinity-stream", "deep", "list", "not-utf8"],
+)
+def test_a_body_that_is_not_a_json_object_is_a_400_from_the_router(body):
+    """The router answers these as a single server does, without sending them on (NaN and
+    Infinity used to pass its parser and then fail re-encoding: a plain-text 500)."""
+    import asyncio
+
+    sent = []
+
+    async def handler(request):
+        sent.append(request.url.host)
+        return httpx.Response(200, json={"choices": []})
+
+    async def run():
+        async with _router_app(handler) as http:
+            headers = {"content-type": "application/json"}
+            return await http.post("/v1/completions", content=body, headers=headers, timeout=10)
+
+    r = asyncio.run(run())
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["type"] == "BadRequestError" and error["code"] == 400, r.text
+    assert "JSON" in error["message"] and sent == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_decode_connection_is_a_502_at_once(stream):
+    """The decode server never saw the request, so the prefill half (waiting for it) is not
+    waited for: the 502 comes at once, streamed or not."""
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "d":
+            raise httpx.ConnectError("connection refused")
+        await asyncio.sleep(30)  # the prefill half waits for a decode side that never comes
+
+    async def run():
+        async with _router_app(handler) as http:
+            start = time.monotonic()
+            r = await http.post("/v1/completions", json={"prompt": "x", "stream": stream}, timeout=10)
+            return r, time.monotonic() - start
+
+    r, seconds = asyncio.run(run())
+    error = r.json()["error"]
+    assert r.status_code == 502 and error["type"] == "BadGatewayError" and "decode server http://d" in error["message"]
+    assert seconds < 1.0, seconds
+
+
+def test_models_comes_from_any_decode_server_that_answers():
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "d1":
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "by": request.url.host}]})
+
+    async def run():
+        router, http = _two_pair_router(handler)
+        async with http:
+            first = await http.get("/v1/models", timeout=10)
+            router.decode.backends[1].down_until = time.monotonic() + 60
+            router.decode.backends[0].down_until = 0.0
+            again = await http.get("/v1/models", timeout=10)
+        return router, first, again
+
+    router, first, again = asyncio.run(run())
+    assert first.status_code == 200 and first.json()["data"][0]["by"] == "d2"
+    assert router.decode.backends[0].down_until > 0  # the refusal was noted
+    assert again.status_code == 200 and again.json()["data"][0]["by"] == "d2"  # d1 refused again
+
+    async def all_down():
+        _, http = _two_pair_router(lambda request: (_ for _ in ()).throw(httpx.ConnectError("refused")))
+        async with http:
+            return await http.get("/v1/models", timeout=10)
+
+    r = asyncio.run(all_down())
+    message = r.json()["error"]["message"]
+    assert r.status_code == 502 and "http://d1" in message and "http://d2" in message

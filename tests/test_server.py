@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import ANY
 
 import httpx
 import openai
@@ -284,6 +285,28 @@ def test_non_json_numbers_routing_errors_and_content_parts(server):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("the messages take")
 
 
+def test_null_means_the_default_and_numbers_must_be_finite(server, client):
+    """The openai SDK sends a parameter given as None as null: as vLLM, that is the default."""
+    fields = ("temperature", "top_p", "top_k", "min_p", "n", "stream", "ignore_eos", "seed", "stop")
+    nulls = dict.fromkeys(fields, None) | {"stream_options": None, "presence_penalty": None}
+    out = client.completions.create(model=MODEL, prompt="ab", max_tokens=3, temperature=None, top_p=None, n=None)
+    assert len(out.choices) == 1 and out.usage.completion_tokens == 3
+    r = httpx.post(server + "/v1/completions", json={"prompt": "ab", "max_tokens": 3, "echo": None} | nulls)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2}
+    r = httpx.post(server + "/v1/chat/completions", json=chat | nulls | {"logprobs": None, "max_tokens": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    stream = {"prompt": "ab", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": None}}
+    r = httpx.post(server + "/v1/completions", json=stream)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]") and '"usage": {' not in r.text
+    for body, param in (({"prompt": None}, "prompt"), ({"prompt": "x", "stop_token_ids": [None]}, "stop_token_ids")):
+        r = httpx.post(server + "/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    raw = b'{"prompt": "x", "temperature": 1e400}'
+    r = httpx.post(server + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and '"1e400" is out of range' in r.json()["error"]["message"]
+
+
 def test_bad_chat_requests_are_400s(server):
     def post(**body):
         return httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]} | body)
@@ -521,6 +544,50 @@ def test_shutting_down_answers_503():
     assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError"
 
 
+BOOT = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 9000, "bootstrap_room": 42}
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("completions", {"prompt": "x", "echo": True}, "echo"),
+        ("completions", {"prompt": "", "max_tokens": 2}, "prompt"),
+        ("completions", {"prompt": "x" * 5000, "max_tokens": 2}, "prompt"),
+        ("completions", {"prompt": "x", "model": "other"}, "model"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
+    ],
+)
+def test_a_refused_disaggregated_request_tells_the_other_server(mode, path, body, param):
+    """The other server waits for this request's half: every 400 (404) after the body parsed
+    tells it at once, with the reason, instead of leaving it to the bootstrap timeout."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from minengine.models.tiny import tiny_tokenizer
+    from minengine.server.api import ServerState, build_app
+    from minengine.server.metrics import Metrics
+    from minengine.server.protocol import Bootstrap, Ready
+
+    told = []
+    fail_room = lambda bootstrap, reason: told.append((bootstrap, reason))  # noqa: E731
+    client = SimpleNamespace(ready=Ready(260, 4096, 4096), dead=None, fail_room=fail_room)
+    http = TestClient(build_app(ServerState(client, tiny_tokenizer(), MODEL, Metrics(), mode=mode)))
+    r = http.post(f"/v1/{path}", json=body | BOOT)
+    error = r.json()["error"]
+    assert r.status_code in (400, 404) and error["param"] == param, r.text
+    assert told == [(Bootstrap("10.0.0.7", 9000, 42), error["message"])]
+    # no room, or no address on a decode server: nobody to tell
+    told.clear()
+    r = http.post(f"/v1/{path}", json=body | {"bootstrap_host": "10.0.0.7", "bootstrap_port": 9000})
+    assert r.status_code in (400, 404) and told == []
+    r = http.post(f"/v1/{path}", json=body | {"bootstrap_room": 42})
+    assert r.status_code in (400, 404) and told == ([] if mode == "decode" else [(Bootstrap("", 0, 42), ANY)])
+
+
 def test_scheduler_exits_when_front_end_dies(tmp_path):
     proc, _ = start_server(tmpdir=tmp_path)
     kids = children(proc.pid)
@@ -550,6 +617,55 @@ def test_bad_flags_exit_with_one_line(flags, message):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "message"),
+    [
+        (["--model", "/nonexistent"], 2, "error: argument --model: cannot load a tokenizer from '/nonexistent'"),
+        (["--tokenizer", "/nonexistent"], 2, "error: argument --tokenizer: cannot load a tokenizer"),
+        (
+            ["--context-length", "99999"],
+            1,
+            "error: scheduler 0 failed to start: context_length is 99999; allowed: 1..4096",
+        ),
+        (["--context-length", "99999", "--dp-size", "2"], 1, "failed to start: context_length is 99999"),
+    ],
+)
+def test_start_up_failures_exit_with_one_line_and_leave_nothing(tmp_path, flags, code, message):
+    """A configuration the model cannot take is found by the workers: one line naming the value
+    and the allowed range, no traceback, no folder of sockets left in TMPDIR, no process left."""
+    cmd = [sys.executable, "-m", "minengine.serve", "--log-level", "warning", *flags]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == code and len(lines) == 1 and message in lines[0], r.stderr
+    assert ipc_dirs(tmp_path) == []
+
+
+def test_a_signal_while_the_workers_start_stops_the_server_cleanly():
+    """The port opens only once the workers are ready; SIGTERM before that ends the wait, tells
+    the workers to stop and closes the client's sockets (exit code 0)."""
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from minengine.serve import _Server
+
+    calls = []
+
+    async def never_ready():
+        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(60)
+
+    client = SimpleNamespace(shutdown=lambda: calls.append("shutdown"), close=lambda: calls.append("close"))
+    state = SimpleNamespace(client=client)
+    server = _Server(uvicorn.Config(app=None), state, SimpleNamespace(start=never_ready), str)
+    t0 = time.monotonic()
+    server.run()
+    assert server.stopped_early and not server.started and server.failed is None
+    assert calls == ["shutdown", "close"] and time.monotonic() - t0 < 10
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are gone again
 
 
 def test_help_lists_every_config_field_with_defaults():

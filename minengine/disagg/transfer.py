@@ -136,6 +136,11 @@ class KVLayout:
         return out
 
 
+def tcp_address(host: str, port: int) -> str:
+    """A ZMQ TCP endpoint; an IPv6 literal (``::1``, as a URL's hostname gives it) in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
 def page_runs(local: list[int], remote: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Maximal runs over which both the local and the remote page ids go up by one:
     (local starts, remote starts, lengths). Fresh pools hand out consecutive pages, so a
@@ -444,6 +449,7 @@ class PrefillTransfer:
         # before we saw the old one go: without handover, the new connection's messages are dropped
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.IPV6, 1)  # IPv4 peers too (dual stack, or IPv4 alone where there is no IPv6)
         try:
             self.sock.bind(f"tcp://*:{port}")
         except zmq.ZMQError as exc:
@@ -722,7 +728,7 @@ class DecodeTransfer:
         taken or the address is unusable."""
         if room in self.receivers:
             raise ValueError(f"bootstrap_room {room} is already in use on this decode server")
-        addr = f"tcp://{host}:{port}"
+        addr = tcp_address(host, port)
         self._connect(addr)
         r = self.receivers[room] = KVReceiver(self, addr, room)
         return r
@@ -733,7 +739,7 @@ class DecodeTransfer:
 
     def abort_room(self, host: str, port: int, room: int) -> None:
         """Tell a prefill server to drop a room this server will not take."""
-        addr = f"tcp://{host}:{port}"
+        addr = tcp_address(host, port)
         try:
             self._connect(addr)
         except ValueError as exc:
@@ -754,6 +760,7 @@ class DecodeTransfer:
         sock.setsockopt(zmq.IDENTITY, self.mover.agent_name.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.IPV6, 1)
         try:
             sock.connect(addr)
         except zmq.ZMQError as exc:

@@ -9,16 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minengine.engine import check_prompt
@@ -44,6 +45,7 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     500: "InternalServerError",
+    502: "BadGatewayError",
     503: "ServiceUnavailableError",
 }
 
@@ -69,12 +71,25 @@ def error_response(
 # for floats
 
 
-class StreamOptions(BaseModel):
+class _NullIsDefault(BaseModel):
+    """``null`` for a field that has a default means that default, as the OpenAI API and vLLM
+    read it (the openai SDK sends ``temperature=None`` as ``null``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class StreamOptions(_NullIsDefault):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_NullIsDefault):
     model_config = ConfigDict(extra="allow", strict=True)  # extras: only checked by _check_unsupported
 
     model: str | None = None
@@ -157,15 +172,29 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):  # 1e400: a JSON number, but no float
+        raise ValueError(f"{_shown(text)} is out of range; allowed: a finite number up to about 1.8e308")
+    return value
+
+
+def load_json_object(body: bytes) -> dict:
+    """A request body as a JSON object; ``APIError`` 400 for anything else (NaN and Infinity
+    included: they are not JSON, and re-sending them as JSON would fail)."""
     try:
-        data = json.loads(await raw.body(), parse_constant=_no_constant)
+        data = json.loads(body, parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise APIError(400, f"malformed JSON body: {exc}") from None
     except RecursionError:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    return data
+
+
+async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
+    data = load_json_object(await raw.body())
     try:
         req = schema.model_validate(data)
     except ValidationError as exc:
@@ -315,6 +344,29 @@ ROOM_LIMIT = 2**63
 
 def bootstrap_of(state: ServerState, req: _Sampling, num_prompts: int) -> Bootstrap | None:
     """The disaggregation fields of a request, checked against the server's mode."""
+    bootstrap = _bootstrap_fields(state, req)
+    if bootstrap is not None and (req.n != 1 or num_prompts != 1):
+        raise APIError(400, f"a disaggregated request takes one prompt and n=1; got {num_prompts} and n={req.n}", "n")
+    return bootstrap
+
+
+@contextlib.contextmanager
+def _peer_told(state: ServerState, req: _Sampling) -> Iterator[None]:
+    """A disaggregated request refused here: the other server, which waits for its half, is told
+    at once (instead of failing it after its bootstrap timeout)."""
+    try:
+        yield
+    except APIError as exc:
+        try:
+            bootstrap = _bootstrap_fields(state, req)
+        except APIError:  # no usable address or room: nothing to tell
+            bootstrap = None
+        if bootstrap is not None:
+            state.client.fail_room(bootstrap, exc.message)
+        raise
+
+
+def _bootstrap_fields(state: ServerState, req: _Sampling) -> Bootstrap | None:
     fields = {"bootstrap_host": req.bootstrap_host, "bootstrap_port": req.bootstrap_port}
     fields["bootstrap_room"] = req.bootstrap_room
     if state.mode == "null":
@@ -332,8 +384,6 @@ def bootstrap_of(state: ServerState, req: _Sampling, num_prompts: int) -> Bootst
         )
     if not 0 <= room < ROOM_LIMIT:
         raise APIError(400, f"bootstrap_room is {room}; allowed: 0..{ROOM_LIMIT - 1}", "bootstrap_room")
-    if req.n != 1 or num_prompts != 1:
-        raise APIError(400, f"a disaggregated request takes one prompt and n=1; got {num_prompts} and n={req.n}", "n")
     host, port = req.bootstrap_host, req.bootstrap_port
     if state.mode == "decode":
         if not host:
@@ -398,45 +448,46 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
         req = await parse_body(raw, CompletionRequest)
-        _check_open(state, req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        if req.logprobs is not None:
-            raise APIError(400, "logprobs is not supported", "logprobs")
-        prompts = _completion_prompts(state.tokenizer, req.prompt)
-        bootstrap = bootstrap_of(state, req, len(prompts))
-        params = sampling_params(req, req.max_tokens)
-        choices = _choices(state, prompts, params, req.n, bootstrap)
+        with _peer_told(state, req):
+            _check_open(state, req.model)
+            if req.echo:
+                raise APIError(400, "echo is not supported", "echo")
+            if req.logprobs is not None:
+                raise APIError(400, "logprobs is not supported", "logprobs")
+            prompts = _completion_prompts(state.tokenizer, req.prompt)
+            bootstrap = bootstrap_of(state, req, len(prompts))
+            params = sampling_params(req, req.max_tokens)
+            choices = _choices(state, prompts, params, req.n, bootstrap)
         return await _respond(state, raw, req, choices, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         req = await parse_body(raw, ChatCompletionRequest)
-        _check_open(state, req.model)
-        if req.logprobs:
-            raise APIError(400, "logprobs is not supported", "logprobs")
-        if not req.messages:
-            raise APIError(400, "messages is empty", "messages")
-        messages = chat_text(req.messages)
-        try:
-            text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as exc:  # a template may raise on messages it does not accept
-            raise APIError(400, f"the chat template failed: {exc}", "messages") from None
-        prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
-        field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        bootstrap = bootstrap_of(state, req, 1)
-        if max_tokens is None and (ready := state.client.ready) is not None:  # as vLLM: all the room left
-            room = min(ready.context_length, ready.kv_capacity_tokens)
-            if len(prompt_ids) >= room:
-                what = "context length" if room == ready.context_length else "KV cache capacity"
-                why = f"the messages take {len(prompt_ids)} tokens; allowed: at most {room - 1} (the {what} is {room})"
-                if bootstrap is not None:  # the other server is waiting for this request: tell it now
-                    state.client.fail_room(bootstrap, why)
-                raise APIError(400, why, "messages")
-            max_tokens = room - len(prompt_ids)
-        params = sampling_params(req, max_tokens, field_name)
-        choices = _choices(state, [prompt_ids], params, req.n, bootstrap, "messages", field_name)
+        with _peer_told(state, req):
+            _check_open(state, req.model)
+            if req.logprobs:
+                raise APIError(400, "logprobs is not supported", "logprobs")
+            if not req.messages:
+                raise APIError(400, "messages is empty", "messages")
+            messages = chat_text(req.messages)
+            try:
+                text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as exc:  # a template may raise on messages it does not accept
+                raise APIError(400, f"the chat template failed: {exc}", "messages") from None
+            prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
+            field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            bootstrap = bootstrap_of(state, req, 1)
+            if max_tokens is None and (ready := state.client.ready) is not None:  # as vLLM: all the room left
+                room = min(ready.context_length, ready.kv_capacity_tokens)
+                if len(prompt_ids) >= room:
+                    what = "context length" if room == ready.context_length else "KV cache capacity"
+                    why = f"the messages take {len(prompt_ids)} tokens; allowed: at most {room - 1}"
+                    why += f" (the {what} is {room})"
+                    raise APIError(400, why, "messages")
+                max_tokens = room - len(prompt_ids)
+            params = sampling_params(req, max_tokens, field_name)
+            choices = _choices(state, [prompt_ids], params, req.n, bootstrap, "messages", field_name)
         return await _respond(state, raw, req, choices, chat=True)
 
     return app
@@ -492,8 +543,6 @@ def _choices(
         try:
             check_prompt(ids, checked, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens)
         except ValueError as exc:
-            if bootstrap is not None:  # the other server is waiting for this request: tell it now
-                state.client.fail_room(bootstrap, str(exc))
             message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
             raise APIError(400, message, prompt_field) from None
     choices = []

@@ -82,6 +82,8 @@ class SchedulerClient:
                     raise SchedulerDied(f"scheduler {msg.rank} failed to start:\n{msg.message}")
                 if isinstance(msg, Ready):
                     ready[msg.rank] = msg
+                elif isinstance(msg, StepOutput):  # a worker ready before the others: its first gauges
+                    self._take(msg)
             elif not is_alive():
                 raise SchedulerDied("a scheduler process exited during start-up")
             elif time.monotonic() > deadline:
@@ -140,13 +142,7 @@ class SchedulerClient:
             if await self.inbox.poll(500):
                 msg = pickle.loads(await self.inbox.recv())
                 if isinstance(msg, StepOutput):
-                    self.stats[msg.rank] = msg.stats
-                    self.metrics.set_gauges({k: sum(s.get(k, 0) for s in self.stats) for k in msg.stats})
-                    self.metrics.record_delayer(msg.delayer)
-                    self.metrics.record_transfers(msg.kv_received, msg.kv_pages_sent)
-                    for update in msg.updates:
-                        if (queue := self.queues.get(update.rid)) is not None:
-                            queue.put_nowait(update)
+                    self._take(msg)
                 elif isinstance(msg, Fatal):
                     self._fail(f"scheduler {msg.rank} failed:\n{msg.message}")
                     return
@@ -156,6 +152,17 @@ class SchedulerClient:
                 if not is_alive():
                     self._fail("a scheduler process exited")
                     return
+
+    def _take(self, msg: StepOutput) -> None:
+        """A worker's step: gauges (summed over workers; a worker sends them only when they
+        change), counters, and each update to its request's queue."""
+        self.stats[msg.rank] = msg.stats
+        self.metrics.set_gauges({k: sum(s.get(k, 0) for s in self.stats) for k in msg.stats})
+        self.metrics.record_delayer(msg.delayer)
+        self.metrics.record_transfers(msg.kv_received, msg.kv_pages_sent)
+        for update in msg.updates:
+            if (queue := self.queues.get(update.rid)) is not None:
+                queue.put_nowait(update)
 
     def _fail(self, why: str) -> None:
         if self._shutdown_sent:

@@ -102,6 +102,7 @@ def run_scheduler(
     inbox.connect(requests_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(outputs_addr)
+    engine = None
     try:
         gather = None
         if config.dp_size > 1:
@@ -116,9 +117,15 @@ def run_scheduler(
         ready = Ready(engine.model_config.vocab_size, engine.context_length, engine.kv_capacity_tokens, rank)
         outbox.send_pyobj(ready)
         _loop(engine, inbox, outbox, parent_pid, rank, lockstep=gather is not None and engine.delayer is not None)
-    except Exception:
-        logger.exception("scheduler %d failed", rank)
-        outbox.send_pyobj(Fatal(traceback.format_exc(limit=5), rank))
+    except Exception as exc:
+        if engine is None and isinstance(exc, ValueError):
+            # a config the model cannot take (context_length over its max_position_embeddings): the
+            # message names the value and the allowed range, and the front end reports it
+            logger.debug("scheduler %d failed to start", rank, exc_info=True)
+            outbox.send_pyobj(Fatal(str(exc), rank))
+        else:
+            logger.exception("scheduler %d failed", rank)
+            outbox.send_pyobj(Fatal(traceback.format_exc(limit=5), rank))
     finally:
         outbox.close(linger=1000)
         inbox.close(linger=0)
