@@ -363,10 +363,11 @@ class Router:
         return Response(status_code=200)
 
     async def models(self) -> Response:
-        """The first decode server that answers (those not marked down first): all serve one model."""
+        """The first decode server that answers without a 5xx (those not marked down first): all
+        serve one model."""
         now = time.monotonic()
         order = sorted(self.decode.backends, key=lambda b: b.down_until > now)
-        errors = []
+        errors, answer = [], None
         for d in order:
             try:
                 resp = await self.client.get(d.url + "/v1/models", timeout=5)
@@ -374,8 +375,10 @@ class Router:
                 d.unreachable(exc)
                 errors.append(f"the decode server {d.url} failed: {exc!r}")
                 continue
-            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
-        return error_response(502, "; ".join(errors))
+            answer = Response(resp.content, status_code=resp.status_code, media_type="application/json")
+            if resp.status_code < 500:  # a failing server (shutting down: 503) leaves it to the next
+                return answer
+        return answer or error_response(502, "; ".join(errors))
 
     async def close(self) -> None:
         for task in list(self._background):

@@ -85,23 +85,29 @@ class _Server(uvicorn.Server):
         client = self.state.client
         loop = asyncio.get_running_loop()
         start = asyncio.ensure_future(self.workers.start())
+
+        def stop_early() -> None:
+            self.stopped_early = True
+            start.cancel()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, start.cancel)
+            loop.add_signal_handler(sig, stop_early)
         try:
             try:
                 ready = await start
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
+            if self.stopped_early:  # the signal came as the workers answered
+                raise asyncio.CancelledError
             logger.info("%s", self.describe(ready))
             await super().serve(sockets)
         except SchedulerDied as exc:
             self.failed = _summary(exc)
         except asyncio.CancelledError:
-            if not start.cancelled():
+            if not self.stopped_early:
                 raise
             logger.info("stopped while the workers started")
-            self.stopped_early = True
         finally:  # inside the event loop, where zmq.asyncio sockets must be closed
             client.shutdown()
             client.close()
@@ -165,7 +171,14 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         server.run()
     finally:
-        workers.stop()
+        # a worker still loading the model reads no Shutdown: after a failed or stopped start-up,
+        # no wait; a signal now (a second Ctrl-C) ends the wait without a traceback
+        previous = {sig: signal.signal(sig, lambda *_: workers.hurry()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            workers.stop(grace=5.0 if server.started else 0.0)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     if server.failed is not None:
         print(f"{prog}: error: {server.failed}", file=sys.stderr)
         return 1

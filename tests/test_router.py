@@ -600,6 +600,11 @@ def test_models_comes_from_any_decode_server_that_answers():
             raise httpx.ConnectError("connection refused")
         return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "by": request.url.host}]})
 
+    async def shutting_down(request):
+        if request.url.host == "d1":
+            return httpx.Response(503, json={"error": {"message": "the server is shutting down", "code": 503}})
+        return await handler(request)
+
     async def run():
         router, http = _two_pair_router(handler)
         async with http:
@@ -611,6 +616,14 @@ def test_models_comes_from_any_decode_server_that_answers():
 
     router, first, again = asyncio.run(run())
     assert first.status_code == 200 and first.json()["data"][0]["by"] == "d2"
+
+    async def one(handler):
+        _, http = _two_pair_router(handler)
+        async with http:
+            return await http.get("/v1/models", timeout=10)
+
+    r = asyncio.run(one(shutting_down))
+    assert r.status_code == 200 and r.json()["data"][0]["by"] == "d2"
     assert router.decode.backends[0].down_until > 0  # the refusal was noted
     assert again.status_code == 200 and again.json()["data"][0]["by"] == "d2"  # d1 refused again
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest.mock import ANY
@@ -666,6 +667,43 @@ def test_a_signal_while_the_workers_start_stops_the_server_cleanly():
     assert server.stopped_early and not server.started and server.failed is None
     assert calls == ["shutdown", "close"] and time.monotonic() - t0 < 10
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are gone again
+
+
+def test_a_malformed_config_json_is_named_in_one_line(tmp_path):
+    from checkpoints import build_checkpoint
+
+    ckpt = build_checkpoint(tmp_path / "m", "qwen3")
+    (ckpt / "config.json").write_text('{"vocab_size": 400,}')
+    cmd = [sys.executable, "-m", "minengine.serve", "--model", str(ckpt), "--log-level", "warning"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert f"failed to start: {ckpt / 'config.json'} is not valid JSON: Expecting" in lines[0]
+    assert ipc_dirs(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["no grace", "hurried"])
+def test_stopping_workers_that_read_no_shutdown(tmp_path, monkeypatch, how):
+    """Workers still loading the model read no Shutdown: ``stop`` with no grace, or hurried by a
+    signal handler (a second Ctrl-C), terminates them at once; the folder of sockets goes too."""
+    import threading
+
+    from minengine.config import EngineConfig
+    from minengine.server.metrics import Metrics
+    from minengine.server.workers import Workers
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    workers = Workers(EngineConfig(model="tiny", page_size=4), Metrics())
+    assert len(ipc_dirs(tmp_path)) == 1
+    t0 = time.monotonic()
+    if how == "hurried":
+        threading.Timer(0.3, workers.hurry).start()
+        workers.stop(grace=60)
+    else:
+        workers.stop(grace=0)
+    assert time.monotonic() - t0 < 10
+    assert not any(p.is_alive() for p in workers.processes) and ipc_dirs(tmp_path) == []
 
 
 def test_help_lists_every_config_field_with_defaults():

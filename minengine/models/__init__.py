@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,15 +41,22 @@ def _model_dir(model: str) -> Path:
     return path
 
 
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text())
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+
+
 def load_model_config(model: str) -> ModelConfig:
     if model == TINY:
         return TINY_CONFIG
     path = _model_dir(model)
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = _read_json(path / "config.json")
     model_cfg = ModelConfig.from_hf(cfg, where=str(path / "config.json"))
     gen_file = path / "generation_config.json"
     if gen_file.is_file():  # its eos ids (often a list) take part in stopping, as in transformers
-        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        eos = _read_json(gen_file).get("eos_token_id")
         extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
         ids = tuple(dict.fromkeys([*model_cfg.eos_token_ids, *extra]))
         model_cfg = dataclasses.replace(model_cfg, eos_token_ids=ids)
@@ -80,7 +88,7 @@ def load_model(
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(_read_json(index)["weight_map"].values()))
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise FileNotFoundError(f"missing weight files in {path}: {', '.join(missing)} (listed in {index.name})")

@@ -48,6 +48,7 @@ PENDING_POLL_MS = 1
 
 
 IPC_DIR_PREFIX = "minengine-ipc-"  # the front end's folder of ZMQ sockets (server/workers.py)
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # minengine/
 ORPHAN_WAIT_S = 0.5  # what a SIGTERM waits for a dying parent (a live one's terminate() waits as long)
 
 
@@ -78,6 +79,18 @@ def _die_with_parent(requests_addr: str, parent_pid: int) -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _ours(exc: Exception) -> bool:
+    """A ValueError or OSError raised by minengine's own code: a message written for the user (what
+    is wrong, what is allowed), not a library's, which keeps its traceback in the log."""
+    tb = exc.__traceback__
+    if not isinstance(exc, (ValueError, OSError)) or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = os.path.dirname(tb.tb_frame.f_code.co_filename)
+    return where == PACKAGE_DIR or where.startswith(PACKAGE_DIR + os.sep)
 
 
 def _all_gather(info: WorkerInfo) -> list[WorkerInfo]:
@@ -118,7 +131,7 @@ def run_scheduler(
         outbox.send_pyobj(ready)
         _loop(engine, inbox, outbox, parent_pid, rank, lockstep=gather is not None and engine.delayer is not None)
     except Exception as exc:
-        if engine is None and isinstance(exc, ValueError):
+        if engine is None and _ours(exc):
             # a config the model cannot take (context_length over its max_position_embeddings): the
             # message names the value and the allowed range, and the front end reports it
             logger.debug("scheduler %d failed to start", rank, exc_info=True)

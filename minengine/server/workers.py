@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 
 from minengine.config import EngineConfig
 from minengine.server.frontend import SchedulerClient
@@ -40,6 +41,7 @@ class Workers:
             )
             for i in range(config.dp_size)
         ]
+        self._hurry = False  # set by ``hurry``
         for p in self.processes:
             p.start()
 
@@ -49,14 +51,24 @@ class Workers:
     async def start(self):
         return await self.client.start(self.alive)
 
-    def stop(self) -> None:
-        """Wait for the workers to exit (after a Shutdown), then make sure they did."""
-        for p in self.processes:
-            p.join(5)
-        for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(2)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+    def hurry(self) -> None:
+        """Make a ``stop`` under way terminate the workers now (safe in a signal handler)."""
+        self._hurry = True
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Wait up to ``grace`` seconds for the workers to exit (after a Shutdown; a worker still
+        loading the model reads none), then make sure they did. The folder of sockets goes in
+        any case."""
+        try:
+            deadline = time.monotonic() + grace
+            for p in self.processes:
+                while p.is_alive() and not self._hurry and time.monotonic() < deadline:
+                    p.join(0.05)
+            for p in self.processes:
+                if p.is_alive():
+                    p.terminate()  # its handler waits ORPHAN_WAIT_S for a reparent, then exits
+                    p.join(2)
+                if p.is_alive():
+                    p.kill()
+        finally:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
