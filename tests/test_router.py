@@ -275,6 +275,19 @@ def _router_app(handler):
     return _one_pair_router(handler)[1]
 
 
+def _timed_post(handler, body: dict) -> tuple[httpx.Response, float]:
+    """A completion through a one-pair router over ``handler``, and the seconds it took."""
+    import asyncio
+
+    async def run():
+        async with _router_app(handler) as http:
+            start = time.monotonic()
+            r = await http.post("/v1/completions", json=body, timeout=30)
+            return r, time.monotonic() - start
+
+    return asyncio.run(run())
+
+
 def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error():
     import asyncio
 
@@ -308,13 +321,7 @@ def test_a_silent_decode_server_does_not_hold_a_stream_whose_prefill_failed():
             return httpx.Response(500, json={"error": {"message": "the prefill half failed", "code": 500}})
         await asyncio.sleep(60)  # accepts, never answers
 
-    async def run():
-        async with _router_app(handler) as http:
-            start = time.monotonic()
-            r = await http.post("/v1/completions", json={"prompt": "x", "stream": True}, timeout=30)
-            return r, time.monotonic() - start
-
-    r, seconds = asyncio.run(run())
+    r, seconds = _timed_post(handler, {"prompt": "x", "stream": True})
     assert r.status_code == 500 and "prefill half failed" in r.text and seconds < 5
 
 
@@ -580,13 +587,7 @@ def test_a_refused_decode_connection_is_a_502_at_once(stream):
             raise httpx.ConnectError("connection refused")
         await asyncio.sleep(30)  # the prefill half waits for a decode side that never comes
 
-    async def run():
-        async with _router_app(handler) as http:
-            start = time.monotonic()
-            r = await http.post("/v1/completions", json={"prompt": "x", "stream": stream}, timeout=10)
-            return r, time.monotonic() - start
-
-    r, seconds = asyncio.run(run())
+    r, seconds = _timed_post(handler, {"prompt": "x", "stream": stream})
     error = r.json()["error"]
     assert r.status_code == 502 and error["type"] == "BadGatewayError" and "decode server http://d" in error["message"]
     assert seconds < 1.0, seconds
