@@ -407,8 +407,8 @@ def openai_errors(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
 
 
-def build_app(state: ServerState, lifespan=None) -> FastAPI:
-    app = FastAPI(title="minengine", docs_url=None, redoc_url=None, lifespan=lifespan)
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="minengine", docs_url=None, redoc_url=None)
     openai_errors(app)
 
     @app.exception_handler(APIError)
