@@ -72,9 +72,9 @@ class _Server(uvicorn.Server):
     signal ends it, exit code 0). Shutdown, on SIGTERM / SIGINT: 503 for new requests, in-flight ones
     end (finished or ``abort``), then exit; a second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, state, workers, describe):
+    def __init__(self, config: uvicorn.Config, state, workers):
         super().__init__(config)
-        self.state, self.workers, self.describe = state, workers, describe
+        self.state, self.workers = state, workers
         self.failed: str | None = None  # why start-up failed
         self.stopped_early = False  # a signal came while the workers started
 
@@ -95,19 +95,27 @@ class _Server(uvicorn.Server):
         try:
             try:
                 ready = await start
+            except asyncio.CancelledError:
+                if not self.stopped_early:
+                    raise
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.remove_signal_handler(sig)
-            if self.stopped_early:  # the signal came as the workers answered
-                raise asyncio.CancelledError
-            logger.info("%s", self.describe(ready))
+            if self.stopped_early:  # (also when the signal came as the workers answered)
+                logger.info("stopped while the workers started")
+                return
+            logger.info(
+                "serving %s on http://%s:%d (%d worker(s), context %d, KV capacity %d tokens each)",
+                self.state.served_model_name,
+                self.config.host,
+                self.config.port,
+                len(self.workers.processes),
+                ready.context_length,
+                ready.kv_capacity_tokens,
+            )
             await super().serve(sockets)
         except SchedulerDied as exc:
             self.failed = _summary(exc)
-        except asyncio.CancelledError:
-            if not self.stopped_early:
-                raise
-            logger.info("stopped while the workers started")
         finally:  # inside the event loop, where zmq.asyncio sockets must be closed
             client.shutdown()
             client.close()
@@ -155,18 +163,11 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     name = args.served_model_name or config.model
     state = ServerState(workers.client, tokenizer, name, metrics, config.disaggregation_mode)
 
-    def describe(ready) -> str:
-        return (
-            f"serving {state.served_model_name} on http://{args.host}:{args.port} ({config.dp_size} worker(s), "
-            f"context {ready.context_length}, KV capacity {ready.kv_capacity_tokens} tokens each)"
-        )
-
     app = build_app(state)
     server = _Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3),
         state,
         workers,
-        describe,
     )
     try:
         server.run()

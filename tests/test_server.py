@@ -661,7 +661,7 @@ def test_a_signal_while_the_workers_start_stops_the_server_cleanly():
 
     client = SimpleNamespace(shutdown=lambda: calls.append("shutdown"), close=lambda: calls.append("close"))
     state = SimpleNamespace(client=client)
-    server = _Server(uvicorn.Config(app=None), state, SimpleNamespace(start=never_ready), str)
+    server = _Server(uvicorn.Config(app=None), state, SimpleNamespace(start=never_ready))
     t0 = time.monotonic()
     server.run()
     assert server.stopped_early and not server.started and server.failed is None
