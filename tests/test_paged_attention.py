@@ -93,6 +93,39 @@ def test_cache_layouts(kv_views, device, kernels):
     run_and_check(batch, torch.float16, kernels=kernels)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_head_major_cache_past_2_pow_31_elements(num_splits, device, kernels):
+    """A head-major cache ([Hkv, pages, page, D] viewed as [pages, page, Hkv, D]) whose head
+    stride fits in 32 bits but whose last head starts past element 2**31: head offsets are 64-bit.
+    About 13 GB of address space of which only the first pages are touched (on CPU the pages never
+    written stay uncommitted)."""
+    hkv, page, d, t = 3, 16, 32, 5
+    pages = 2**30 // (page * d) + 1  # head stride 2**30 + 512: head 2 starts past 2**31
+    try:
+        storage = torch.empty(2, hkv, pages, page, d, dtype=torch.float16, device=device)
+    except (RuntimeError, MemoryError) as e:  # an allocator that commits what it reserves
+        pytest.skip(f"could not reserve {storage_gb(hkv, pages, page, d):.1f} GB of address space: {e}")
+    k_cache, v_cache = (storage[i].permute(1, 2, 0, 3) for i in range(2))
+    assert k_cache.stride(2) < 2**31 < (hkv - 1) * k_cache.stride(2)
+    for cache in (k_cache, v_cache):  # the pages the batch reads
+        cache[:2] = torch.randn(2, page, hkv, d, dtype=torch.float16, device=device)
+    q = torch.randn(t, 2 * hkv, d, dtype=torch.float16, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    meta = (torch.tensor([[1, 0]], **i32), torch.tensor([page + t], **i32), torch.tensor([0, t], **i32), t)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_attention(q, k_cache, v_cache, *meta, out=out, num_splits=num_splits)
+    small = (c[:2].double().contiguous() for c in (k_cache, v_cache))
+    ref = reference.paged_attention(q.double(), *small, *meta)
+    assert relative_error(out, ref) < TOL[torch.float16]
+    k, v = (torch.randn(t, hkv, d, dtype=torch.float16, device=device) for _ in range(2))
+    kernels.store_kv(k, v, k_cache, v_cache, torch.arange(t, device=device) + 2 * page)  # page 2, every head
+    assert torch.equal(k_cache[2, :t], k) and torch.equal(v_cache[2, :t], v)
+
+
+def storage_gb(hkv, pages, page, d):
+    return 2 * hkv * pages * page * d * 2 / 1e9
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_q_as_view_of_a_merged_projection(dtype, device, kernels):
     """The engine's q is the first heads of a merged q/k/v projection's rows: a view whose rows
@@ -178,6 +211,7 @@ def _bad(device, **change):
         (lambda a: dict(q=a["q"][..., :40]), "head dim"),
         (lambda a: dict(q=a["q"].float()), "must equal q.dtype"),
         (lambda a: dict(q=a["q"][:, :3]), "multiple of Hkv"),
+        (lambda a: dict(q=a["q"][:, :0]), "Hq=0 must be a positive multiple"),
         (lambda a: dict(block_tables=a["block_tables"].long()), "block_tables.dtype"),
         (lambda a: dict(seq_lens=a["seq_lens"][:1]), "seq_lens has shape"),
         (lambda a: dict(cu_seqlens_q=a["cu_seqlens_q"].long()), "cu_seqlens_q.dtype"),

@@ -99,6 +99,17 @@ def test_table_files_are_valid(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"fake-gpu.json: backends \['tvm'\]; allowed: triton, cuda"):
         tuning.load_table.__wrapped__("Fake GPU")
     assert tuning.load_table.__wrapped__("Other GPU") is None
+    for text, message in [
+        ("{", "malformed tuning table .JSONDecodeError"),
+        ("{}", "malformed tuning table .KeyError: 'choices'"),
+        ('{"choices": []}', "malformed tuning table .AttributeError"),
+        ('{"choices": {"decode/bfloat16/128": "cuda"}}', "malformed tuning table .TypeError"),
+        ('{"choices": {"decode/bf16/128": {"backend": "cuda"}}}', r"keys \['decode/bf16/128'\] are not <kind>"),
+        ('{"choices": {"long-decode/float16/64": {"backend": "cuda"}}}', r"keys .*; kinds: decode, prefill, mixed;"),
+    ]:
+        (tmp_path / "fake-gpu.json").write_text(text)
+        with pytest.raises(ValueError, match="fake-gpu.json: " + message):
+            tuning.load_table.__wrapped__("Fake GPU")
 
 
 def test_auto_is_torch_on_cpu():

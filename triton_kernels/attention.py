@@ -121,7 +121,7 @@ def _paged_attention_kernel(
     # Causal position of each row; padding rows get seq_len 0 and so see no key.
     pos = seq_len - q_end + token
 
-    q_offs = token.to(tl.int64)[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :]
+    q_offs = token.to(tl.int64)[:, None] * stride_qt + q_head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -137,14 +137,14 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
     offs_n = tl.arange(0, TILE_N)
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE_N + offs_n
         kv_valid = kv_pos < kv_end
         page = tl.load(bt_row + kv_pos // PAGE_SIZE, mask=kv_valid, other=0).to(tl.int64)
-        slot = kv_pos % PAGE_SIZE
+        slot = (kv_pos % PAGE_SIZE).to(tl.int64)
         kv_mask = kv_valid[:, None] & d_mask[None, :]
         k_offs = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
         k = tl.load(k_head + k_offs, mask=kv_mask, other=0.0)
@@ -168,7 +168,7 @@ def _paged_attention_kernel(
     out_mask = row_valid[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_offs = token.to(tl.int64)[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]
+        o_offs = token.to(tl.int64)[:, None] * stride_ot + q_head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # workspace: acc [NUM_SPLITS, num_tokens, Hq, HEAD_DIM], (max, sum) [NUM_SPLITS, num_tokens, Hq, 2]
@@ -192,7 +192,7 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM

@@ -74,7 +74,7 @@ def check_paged_attention(
         MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % 16 == 0,
         f"head dim {d} is not supported; allowed: multiples of 16 from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}",
     )
-    _expect(hkv >= 1 and hq % hkv == 0, f"Hq={hq} must be a positive multiple of Hkv={hkv}")
+    _expect(hkv >= 1 and hq >= hkv and hq % hkv == 0, f"Hq={hq} must be a positive multiple of Hkv={hkv}")
     _expect(page_size >= 1, f"page_size is {page_size}; allowed: any integer >= 1")
     _expect(
         block_tables.dim() == 2, f"block_tables must be [num_seqs, max_pages_per_seq]; got {tuple(block_tables.shape)}"

@@ -52,7 +52,7 @@ def _store_kv_kernel(
         return
     page = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)  # head strides of head-major caches pass 2**31
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)

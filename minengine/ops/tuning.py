@@ -26,6 +26,8 @@ TABLE_DIR = Path(__file__).resolve().parent / "tuning"
 CHOICES = ("triton", "cuda", "cuda-wgmma")
 MAX_REL_ERR = 2e-2  # a grid row further than this from triton's output disqualifies its backend
 KINDS = ("decode", "prefill", "mixed")
+_DTYPES = ("float16", "bfloat16", "float32")
+_KEY = re.compile(rf"({'|'.join(KINDS)})/({'|'.join(_DTYPES)})/[1-9][0-9]*")  # as table_key writes them
 
 
 def device_slug(name: str) -> str:
@@ -90,11 +92,24 @@ def load_table(device_name: str) -> dict[str, str] | None:
     path = table_path(device_name)
     if not path.exists():
         return None
-    data = json.loads(path.read_text())
-    choices = {key: entry["backend"] for key, entry in data["choices"].items()}
+    try:
+        data = json.loads(path.read_text())
+        entries = data["choices"]
+        choices = {key: entry["backend"] for key, entry in entries.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{path}: malformed tuning table ({type(e).__name__}: {e}); expected "
+            '{"choices": {"<kind>/<dtype>/<head_dim>": {"backend": "<name>"}, ...}}'
+        ) from None
     bad = {b for b in choices.values() if b not in CHOICES}
     if bad:
         raise ValueError(f"{path}: backends {sorted(bad)}; allowed: {', '.join(CHOICES)}")
+    keys = [key for key in choices if not _KEY.fullmatch(key)]
+    if keys:
+        raise ValueError(
+            f"{path}: keys {keys} are not <kind>/<dtype>/<head_dim>; kinds: {', '.join(KINDS)}; dtypes: "
+            f"{', '.join(_DTYPES)}"
+        )
     return choices
 
 
