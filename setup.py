@@ -14,6 +14,7 @@ ABI), so one build works across torch versions; the package imports and runs wit
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,14 +41,34 @@ def find_cuda_home() -> Path | None:
     return None
 
 
+def parse_archs(archs: str) -> list[str]:
+    """'8.0;9.0a' -> ['80', '90a']; exits naming the bad entry (the kernels need sm_80 or newer:
+    cp.async, mma.sync m16n8k16 with bf16)."""
+    nums = []
+    for entry in (a.strip() for a in archs.split(";")):
+        if not entry:
+            continue
+        m = re.fullmatch(r"(\d+?)\.?(\d)([af]?)", entry)
+        if m is None or (int(m[1]), int(m[2])) < (8, 0):
+            sys.exit(
+                f"MINENGINE_CUDA_ARCHS entry {entry!r} (in {archs!r}) is not supported; allowed: compute "
+                "capabilities 8.0 or newer separated by ';', each optionally with an 'a' or 'f' suffix, "
+                "e.g. '8.0;8.6;9.0a'"
+            )
+        nums.append(m[1] + m[2] + m[3])
+    if not nums:
+        sys.exit(f"MINENGINE_CUDA_ARCHS is {archs!r}; it needs at least one architecture, e.g. '8.0;9.0a'")
+    return nums
+
+
 def gencode_flags(archs: str) -> list[str]:
     """Machine code for each arch, plus PTX of the first (portable) one for newer GPUs; with 9.0a,
     MINENGINE_SM90A tells the host code that sm_90a machine code (wgmma) is in the build."""
-    nums = [a.strip().replace(".", "") for a in archs.split(";") if a.strip()]
+    nums = parse_archs(archs)
     flags = []
     for num in nums:
         flags += ["-gencode", f"arch=compute_{num},code=sm_{num}"]
-    portable = next((n for n in nums if not n.endswith("a")), None)
+    portable = next((n for n in nums if not n[-1].isalpha()), None)
     if portable:
         flags += ["-gencode", f"arch=compute_{portable},code=compute_{portable}"]
     if "90a" in nums:  # the host side may then launch the wgmma kernels on sm_90 devices
@@ -57,12 +78,23 @@ def gencode_flags(archs: str) -> list[str]:
 
 def want_cuda() -> Path | None:
     mode = os.environ.get("MINENGINE_BUILD_CUDA", "").strip()
+    if mode not in ("", "0", "1"):
+        sys.exit(
+            f"MINENGINE_BUILD_CUDA is {mode!r}; allowed: 1 (build, nvcc required), 0 (skip), unset (build if nvcc "
+            "is found)"
+        )
     if mode == "0":
         return None
     home = find_cuda_home()
     if home is None and mode == "1":
         sys.exit("MINENGINE_BUILD_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    if home is not None:  # a bad arch list stops here, before any compile
+        parse_archs(cuda_archs())
     return home
+
+
+def cuda_archs() -> str:
+    return os.environ.get("MINENGINE_CUDA_ARCHS", "8.0;9.0a")
 
 
 class NinjaCudaBuild(build_ext):
@@ -76,7 +108,7 @@ class NinjaCudaBuild(build_ext):
         build.mkdir(parents=True, exist_ok=True)
         target = Path(self.get_ext_fullpath(ext.name)).resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
-        archs = os.environ.get("MINENGINE_CUDA_ARCHS", "8.0;9.0a")
+        archs = cuda_archs()
         includes = f"-I{CSRC} -I{pybind11.get_include()} -I{sysconfig.get_paths()['include']} -I{cuda / 'include'}"
         cxx = os.environ.get("CXX", "c++")
         objs = []
@@ -85,10 +117,15 @@ class NinjaCudaBuild(build_ext):
             f"cuflags = -std=c++17 -O3 -Xcompiler -fPIC {' '.join(gencode_flags(archs))} {includes}",
             f"cxxflags = -std=c++17 -O2 -fPIC -fvisibility=hidden {includes}",
             f"ldflags = -shared -L{cuda / 'lib64'} -lcudart_static -ldl -lrt -lpthread",
+            # depfiles: an edit of a header (common.cuh, kernels.h) rebuilds the objects that include it
             "rule nvcc",
-            "  command = $nvcc $cuflags -c $in -o $out",
+            "  command = $nvcc $cuflags -MD -MF $out.d -c $in -o $out",
+            "  depfile = $out.d",
+            "  deps = gcc",
             "rule cxx",
-            f"  command = {cxx} $cxxflags -c $in -o $out",
+            f"  command = {cxx} $cxxflags -MMD -MF $out.d -c $in -o $out",
+            "  depfile = $out.d",
+            "  deps = gcc",
             "rule link",
             f"  command = {cxx} $in $ldflags -o $out",
         ]

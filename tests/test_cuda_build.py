@@ -3,8 +3,11 @@ package works without it."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +65,52 @@ def test_binding_takes_the_wrappers_keywords():
         # than refusing for the build's sake; either way the refusal comes before any launch.
         with pytest.raises(ValueError, match="wgmma kernel could not read the device's compute capability"):
             _C.paged_attention(**(args | {"impl": cuda.IMPLS["wgmma"]}))
+
+
+def _setup_py(**env: str):
+    """Runs setup.py far enough to read its build variables (``--name`` builds nothing)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MINENGINE_")} | env
+    return subprocess.run(
+        [sys.executable, "setup.py", "--name"], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("value", ["false", "off", "yes", "2"])
+def test_a_bad_build_switch_is_named(value):
+    done = _setup_py(MINENGINE_BUILD_CUDA=value)
+    assert done.returncode != 0
+    assert f"MINENGINE_BUILD_CUDA is '{value}'; allowed: 1" in done.stderr
+
+
+@pytest.mark.skipif(not nvcc_present(), reason="the arch list is read only when nvcc builds the extension")
+@pytest.mark.parametrize(
+    ("archs", "message"),
+    [
+        ("7.5", "entry '7.5' (in '7.5') is not supported; allowed: compute capabilities 8.0 or newer"),
+        ("8.0;8.6+PTX", "entry '8.6+PTX' (in '8.0;8.6+PTX') is not supported"),
+        ("8.0 9.0", "entry '8.0 9.0'"),
+        (" ; ", "it needs at least one architecture"),
+    ],
+)
+def test_a_bad_arch_list_is_named_before_any_compile(archs, message):
+    done = _setup_py(MINENGINE_CUDA_ARCHS=archs)
+    assert done.returncode != 0
+    assert message in done.stderr
+
+
+def test_arch_lists_we_take():
+    """parse_archs and gencode_flags, taken out of setup.py (importing it would run setup())."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    wanted = [
+        n
+        for n in tree.body
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        or (isinstance(n, ast.FunctionDef) and n.name in ("parse_archs", "gencode_flags"))
+    ]
+    ns: dict = {}
+    exec(compile(ast.Module(wanted, type_ignores=[]), "setup.py", "exec"), ns)
+    assert ns["parse_archs"]("8.0;86; 9.0a;10.0f;12.0;") == ["80", "86", "90a", "100f", "120"]
+    flags = " ".join(ns["gencode_flags"]("9.0a"))  # no PTX: an arch-specific target is not portable
+    assert "arch=compute_90a,code=sm_90a" in flags and "code=compute_" not in flags
+    assert "arch=compute_80,code=compute_80" in " ".join(ns["gencode_flags"]("8.0;9.0a"))
