@@ -21,20 +21,34 @@ _INCOMPLETE = "\ufffd"
 # _PENDING tokens, its valid bytes may show as themselves
 _PENDING = 64
 _KEEP = 4
+# prompt tokens decoded ahead of the output as its context (as vLLM primes its DecodeStream): a
+# SentencePiece-style decoder strips the leading space of the first token it decodes, so without
+# them the output's first word would lose its space
+_CONTEXT_MIN, _CONTEXT_MAX = 4, 24
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: list[int] = ()):
         self.tokenizer = tokenizer
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
+        self.ids: list[int] = self._context(prompt_ids)  # the prompt's tail, then the output
         self.text = ""  # complete characters decoded so far (cut at a stop string)
         self.emitted = 0  # characters of text already handed out
         self.stopped = False  # a stop string was found
         self.stop_string: str | None = None  # which one
         self._prefix_offset = 0  # the decode window is ids[prefix_offset:]
-        self._read_offset = 0  # ids before this are in text
+        self._read_offset = len(self.ids)  # ids before this are in text (or are the prompt's)
+
+    def _context(self, prompt_ids: list[int]) -> list[int]:
+        """The shortest tail of the prompt (at least _CONTEXT_MIN tokens where it has them) that
+        decodes to complete characters; none if no short tail does."""
+        special = self.tokenizer.special_ids
+        ids = [t for t in prompt_ids if t not in special]
+        for n in range(min(_CONTEXT_MIN, len(ids)), min(_CONTEXT_MAX, len(ids)) + 1):
+            if n and _INCOMPLETE not in self.tokenizer.decode(ids[-n:]):
+                return ids[-n:]
+        return []
 
     def add(self, token_ids: list[int]) -> str:
         """Take new output tokens; returns the text that is now safe to hand out."""

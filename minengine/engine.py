@@ -192,7 +192,7 @@ class Engine:
             params=params,
             max_len=len(prompt_ids) + params.max_tokens,
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
-            detok=IncrementalDetokenizer(self.tokenizer, params.stop_strings) if self.detokenize else None,
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop_strings, prompt_ids) if self.detokenize else None,
         )
 
     def abort(self, req: Request) -> None:

@@ -53,17 +53,25 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | dict | list[str] | list[list[int]] | list[dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in input order. Every request is checked before any runs."""
         if self._closed:
             raise RuntimeError("this LLM was shut down; create a new one")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts, ids = [], []
+        for i, p in enumerate(prompts):
+            text, p_ids = _prompt(p)
+            if p_ids is None and text is None:
+                raise ValueError(
+                    f"prompt {i} is a {type(p).__name__}; allowed: a string, a list of token ids, "
+                    "{'prompt': str} or {'prompt_token_ids': [int, ...]}"
+                )
+            texts.append(text)
+            ids.append(self.tokenizer.encode(text) if p_ids is None else p_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
@@ -119,6 +127,21 @@ class LLM:
         if self._workers is not None:
             self._workers.shutdown()
             self._workers = None
+
+
+def _prompt(p) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of one prompt as vLLM takes it: a string, token ids, or the TextPrompt /
+    TokensPrompt dicts; (None, None) for anything else."""
+    if isinstance(p, str):
+        return p, None
+    if isinstance(p, (list, tuple)):
+        return None, list(p)
+    if isinstance(p, dict):
+        if isinstance(p.get("prompt_token_ids"), (list, tuple)):
+            return p.get("prompt") if isinstance(p.get("prompt"), str) else None, list(p["prompt_token_ids"])
+        if isinstance(p.get("prompt"), str):
+            return p["prompt"], None
+    return None, None
 
 
 class _Workers:

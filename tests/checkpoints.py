@@ -57,9 +57,11 @@ def build_checkpoint(
     hidden_size: int = 128,
     num_heads: int = 4,
     num_kv_heads: int = 2,
+    **overrides,
 ) -> Path:
-    """A 2-layer float32 checkpoint of ``arch`` (llama | qwen2 | qwen3) with a trained tokenizer;
-    ``num_heads`` query and ``num_kv_heads`` KV heads of head dim hidden_size / num_heads (qwen3: 32)."""
+    """A 2-layer float32 checkpoint of ``arch`` (llama | mistral | qwen2 | qwen3) with a trained tokenizer;
+    ``num_heads`` query and ``num_kv_heads`` KV heads of head dim hidden_size / num_heads (qwen3: 32).
+    ``overrides``: more config fields (``attention_bias``, ...)."""
     import transformers
 
     vocab = build_tokenizer(path)
@@ -74,6 +76,7 @@ def build_checkpoint(
         bos_token_id=0,
         eos_token_id=1,
         initializer_range=0.1,
+        **overrides,
     )
     if arch == "llama":  # GQA, llama3 RoPE scaling, untied
         scaling = dict(
@@ -84,6 +87,8 @@ def build_checkpoint(
             original_max_position_embeddings=64,
         )
         cfg = transformers.LlamaConfig(**common, rope_theta=50000.0, rope_scaling=scaling, tie_word_embeddings=False)
+    elif arch == "mistral":  # a sliding window (the engine caps the context at it)
+        cfg = transformers.MistralConfig(**common, sliding_window=256)
     elif arch == "qwen2":  # q/k/v bias
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False)
     elif arch == "qwen3":  # per-head q/k norm, explicit head_dim, tied embeddings

@@ -8,6 +8,7 @@ import pytest
 
 from minengine.detokenizer import _PENDING, IncrementalDetokenizer
 from minengine.models.tiny import tiny_tokenizer
+from minengine.tokenizer import Tokenizer
 
 TOK = tiny_tokenizer()
 PIECES = TOK.encode("héllo wörld 東京 🚀 ok", add_special_tokens=False)
@@ -81,3 +82,36 @@ def test_work_per_token_stays_bounded(run):
     streamed = "".join(d.add([t]) for t in ids) + d.finish()
     assert streamed == TOK.decode(ids)
     assert max(tok.seen) <= 2 * (_PENDING + len(PIECES)) < len(ids) / 5
+
+
+def sentencepiece_tokenizer() -> Tokenizer:
+    """Llama-2 / Mistral style: "▁" for spaces, byte fallback, a decoder that strips the leading space."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    merges = []
+    for word in ["▁Paris", "▁is"]:
+        for i in range(1, len(word)):
+            for piece in (word[:i], word[i]):
+                vocab.setdefault(piece, len(vocab))
+            merges.append((word[:i], word[i]))
+            vocab.setdefault(word[: i + 1], len(vocab))
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return Tokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>"}, None)
+
+
+def test_first_output_token_keeps_its_leading_space():
+    """A SentencePiece decoder strips the first decoded token's space: the prompt's tail is decoded
+    ahead of the output (as vLLM does), so prompt text + output text is the decode of both."""
+    tok = sentencepiece_tokenizer()
+    prompt = tok.encode("Paris is")
+    out = tok.encode("Paris 東", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, (), prompt)
+    text = "".join([d.add([t]) for t in out] + [d.finish()])
+    assert text == " Paris 東" == tok.decode(prompt + out)[len(tok.decode(prompt)) :]

@@ -44,6 +44,13 @@ def test_prompt_forms_and_order(llm):
     assert outs[0].token_ids == single[0].token_ids  # ids and text of the same prompt agree
     mixed = llm.generate([ids, [5, 6, 7]], [GREEDY, SamplingParams(max_tokens=3, temperature=0)], use_tqdm=False)
     assert len(mixed[1].token_ids) <= 3
+    # vLLM's TextPrompt and TokensPrompt dicts, alone or in a list
+    dicts = llm.generate([{"prompt": "abc"}, {"prompt_token_ids": ids}], GREEDY, use_tqdm=False)
+    assert [o.prompt for o in dicts] == ["abc", None]
+    assert dicts[0].token_ids == dicts[1].token_ids == single[0].token_ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].token_ids == single[0].token_ids
+    with pytest.raises(ValueError, match="prompt 1 is a dict; allowed: a string, a list of token ids"):
+        llm.generate(["abc", {"text": "abc"}], GREEDY, use_tqdm=False)
 
 
 @pytest.mark.parametrize(
@@ -198,8 +205,9 @@ def test_text_is_decoded_once_without_stop_strings(llm):
     assert streamed.token_ids == plain.token_ids and streamed.text == plain.text
     engine = llm.engine
     req = engine.add_request(llm.tokenizer.encode("text test"), SamplingParams(max_tokens=6, ignore_eos=True))
+    context = list(req.detok.ids)  # the prompt's tail, decoded ahead of the output
     while not req.finished:
-        assert req.detok.ids == []  # no per-token work while it runs
+        assert req.detok.ids == context  # no per-token work while it runs
         engine.step()
     while engine.has_unfinished():
         engine.step()
@@ -208,7 +216,7 @@ def test_text_is_decoded_once_without_stop_strings(llm):
     for _ in range(5):
         engine.step()
     engine.abort(req)  # an aborted request keeps the text it had
-    want = IncrementalDetokenizer(llm.tokenizer)
+    want = IncrementalDetokenizer(llm.tokenizer, (), req.prompt_ids)
     want.add(req.output_ids)
     assert req.output_ids and req.text == want.text
     engine.abort(req)  # twice: nothing more
@@ -317,6 +325,17 @@ def test_loading_errors(qwen3_dir, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(cfg | {"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*supported: LlamaForCausalLM"):
+        LLM(str(bad))
+    no_size = {k: v for k, v in cfg.items() if k != "intermediate_size"}
+    (bad / "config.json").write_text(json.dumps(no_size))
+    with pytest.raises(ValueError, match="config.json lacks intermediate_size"):
+        LLM(str(bad))
+    (bad / "config.json").write_text(json.dumps(cfg | {"hidden_act": "gelu"}))  # the MLP computes SiLU only
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'.*supported: silu"):
+        LLM(str(bad))
+    # weights the config has no place for (a layer, a bias) would be dropped: the model would run wrong
+    (bad / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match="of 1 layers as its config.json describes has no place for: model.layers.1"):
         LLM(str(bad))
     empty = tmp_path / "noweights"
     shutil.copytree(qwen3_dir, empty)

@@ -126,6 +126,28 @@ def test_cached_prefix_is_not_recomputed(checkpoint, expected, monkeypatch):
     assert sum(computed) <= bound < first
 
 
+@pytest.mark.parametrize(
+    "arch, fields",
+    [
+        ("mistral", {}),
+        ("llama", dict(attention_bias=True, mlp_bias=True)),  # biases on q/k/v, o and the MLP
+        ("qwen3", dict(attention_bias=True)),  # q/k/v and o biases
+    ],
+    ids=["mistral", "llama-biases", "qwen3-attention-bias"],
+)
+def test_config_variants_match_transformers(arch, fields, tmp_path):
+    import transformers
+
+    path = build_checkpoint(tmp_path / arch, arch, **fields)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random()
+    prompts = [[rng.randrange(4, hf.config.vocab_size) for _ in range(n)] for n in (5, 19)]
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    llm = LLM(str(path), page_size=4)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+
+
 def test_triton_backend_matches_transformers(checkpoint, hf_model):
     """The Triton kernels (interpreted on CPU) inside the engine: a smaller case."""
     rng = random.Random()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ from minengine.models.decoder import CausalLM, ForwardBatch
 from minengine.models.tiny import TINY_CONFIG, init_random_weights, tiny_tokenizer
 from minengine.tokenizer import Tokenizer
 
-logger = logging.getLogger(__name__)
 TINY = "tiny"
 
 __all__ = [
@@ -105,6 +103,7 @@ def _load_safetensors(net: CausalLM, path: Path) -> None:
     params = net.checkpoint_tensors()
     expected = set(params)
     loaded: set[str] = set()
+    unexpected: list[str] = []
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
@@ -112,8 +111,8 @@ def _load_safetensors(net: CausalLM, path: Path) -> None:
                     name == "lm_head.weight" and net.config.tie_word_embeddings
                 ):
                     continue
-                if name not in params:
-                    logger.warning("ignoring unexpected weight %s in %s", name, file.name)
+                if name not in params:  # a part this model lacks (a bias, a layer): it would run wrong
+                    unexpected.append(f"{name} ({file.name})")
                     continue
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(params[name].shape):
@@ -125,6 +124,15 @@ def _load_safetensors(net: CausalLM, path: Path) -> None:
                     params[name].copy_(tensor)
                 loaded.add(name)
     missing = sorted(expected - loaded - ({"lm_head.weight"} if net.config.tie_word_embeddings else set()))
+    if unexpected:
+        cfg = net.config
+        raise ValueError(
+            f"weights in {path} that a {cfg.architecture} of {cfg.num_layers} layers as its config.json "
+            f"describes has no place for: {_some(unexpected)}"
+        )
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"missing weights in {path}: {shown}")
+        raise ValueError(f"missing weights in {path}: {_some(missing)}")
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

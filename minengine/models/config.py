@@ -16,6 +16,13 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
 }
+# architectures whose q/k/v and o projections all take config.json's ``attention_bias`` (as in
+# transformers; Mistral and Qwen2 ignore it), and the one whose MLP takes ``mlp_bias``
+_ATTENTION_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+_MLP_BIAS = ("LlamaForCausalLM",)
+# hidden_act values that are SiLU (transformers' ACT2FN), the only activation the MLP computes
+_SILU = ("silu", "swish")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -40,6 +47,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool = False  # the attention output projection has a bias
+    mlp_bias: bool = False  # gate, up and down projections have biases
     rope_scaling: dict[str, Any] | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -61,6 +70,15 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope type {rope_type!r} in {where}; supported: default, llama3")
+        missing = [k for k in _REQUIRED if k not in cfg]
+        if rope_type == "llama3":
+            missing += [k for k in ("factor", "original_max_position_embeddings") if k not in rope]
+        if missing:
+            raise ValueError(f"{where} lacks {', '.join(missing)} (needed for {arch}, rope type {rope_type})")
+        act = cfg.get("hidden_act", "silu")
+        if act not in _SILU:
+            raise ValueError(f"unsupported hidden_act {act!r} in {where}; supported: {', '.join(_SILU)}")
+        attention_bias = arch in _ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         use_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
@@ -77,8 +95,10 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
+            qkv_bias=qkv_bias or attention_bias,
             qk_norm=qk_norm,
+            o_bias=attention_bias,
+            mlp_bias=arch in _MLP_BIAS and bool(cfg.get("mlp_bias", False)),
             rope_scaling=rope if rope_type == "llama3" else None,
             sliding_window=cfg.get("sliding_window") if use_window else None,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
