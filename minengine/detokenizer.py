@@ -11,6 +11,8 @@ stop string is ever handed out; when one appears, the text is cut before it.
 
 from __future__ import annotations
 
+import itertools
+
 from minengine.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
@@ -44,7 +46,8 @@ class IncrementalDetokenizer:
         """The shortest tail of the prompt (at least _CONTEXT_MIN tokens where it has them) that
         decodes to complete characters; none if no short tail does."""
         special = self.tokenizer.special_ids
-        ids = [t for t in prompt_ids if t not in special]
+        tail = (t for t in reversed(prompt_ids) if t not in special)  # a prompt can be long: its end only
+        ids = list(itertools.islice(tail, _CONTEXT_MAX))[::-1]
         for n in range(min(_CONTEXT_MIN, len(ids)), min(_CONTEXT_MAX, len(ids)) + 1):
             if n and _INCOMPLETE not in self.tokenizer.decode(ids[-n:]):
                 return ids[-n:]

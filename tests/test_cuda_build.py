@@ -90,6 +90,9 @@ def test_a_bad_build_switch_is_named(value):
         ("7.5", "entry '7.5' (in '7.5') is not supported; allowed: compute capabilities 8.0 or newer"),
         ("8.0;8.6+PTX", "entry '8.6+PTX' (in '8.0;8.6+PTX') is not supported"),
         ("8.0 9.0", "entry '8.0 9.0'"),
+        ("8.0a", "entry '8.0a'"),  # arch-specific targets begin at 9.0, family (f) ones at 10.0
+        ("9.0f", "entry '9.0f'"),
+        ("800", "entry '800'"),
         (" ; ", "it needs at least one architecture"),
     ],
 )

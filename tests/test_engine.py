@@ -337,6 +337,16 @@ def test_loading_errors(qwen3_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 1}))
     with pytest.raises(ValueError, match="of 1 layers as its config.json describes has no place for: model.layers.1"):
         LLM(str(bad))
+    # RoPE buffers some trainers save (inv_freq; ColossalAI's cos/sin caches) are not weights
+    buffers = tmp_path / "buffers"
+    shutil.copytree(qwen3_dir, buffers)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(buffers / "model.safetensors")
+    for name in ("inv_freq", "cos_cached", "sin_cached"):
+        weights[f"model.layers.0.self_attn.rotary_emb.{name}"] = torch.ones(16)
+    save_file(weights, buffers / "model.safetensors")
+    LLM(str(buffers)).shutdown()
     empty = tmp_path / "noweights"
     shutil.copytree(qwen3_dir, empty)
     (empty / "model.safetensors").unlink()
@@ -344,8 +354,6 @@ def test_loading_errors(qwen3_dir, tmp_path):
         LLM(str(empty))
     partial = tmp_path / "partial"
     shutil.copytree(qwen3_dir, partial)
-    from safetensors.torch import load_file, save_file
-
     weights = load_file(partial / "model.safetensors")
     del weights["model.norm.weight"]
     save_file(weights, partial / "model.safetensors")

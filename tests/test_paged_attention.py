@@ -7,6 +7,7 @@ outputs are poisoned with NaN before each call, so an unwritten element fails.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -94,19 +95,26 @@ def test_cache_layouts(kv_views, device, kernels):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_head_major_cache_past_2_pow_31_elements(num_splits, device, kernels):
-    """A head-major cache ([Hkv, pages, page, D] viewed as [pages, page, Hkv, D]) whose head
-    stride fits in 32 bits but whose last head starts past element 2**31: head offsets are 64-bit.
-    About 13 GB of address space of which only the first pages are touched (on CPU the pages never
-    written stay uncommitted)."""
-    hkv, page, d, t = 3, 16, 32, 5
-    pages = 2**30 // (page * d) + 1  # head stride 2**30 + 512: head 2 starts past 2**31
+@pytest.mark.parametrize("layout", ["head-major", "slot-major"])
+def test_caches_past_2_pow_31_elements_in_any_layout(layout, num_splits, device, kernels):
+    """Caches of [pages, page, Hkv, D] viewed from head-major storage [Hkv, pages, page, D] (the
+    last head starts past element 2**31, its stride fits in 32 bits) or from slot-major storage
+    [page, pages, Hkv, D] (the last slot of a page starts past 2**31): every offset is 64-bit.
+    About 10 GB of address space of which only the first pages are touched (on CPU the rest stays
+    uncommitted)."""
+    hkv, page, d, t = (3, 16, 32, 5) if layout == "head-major" else (1, 16, 32, 5)
+    if layout == "head-major":
+        pages = 2**30 // (page * d) + 1  # head stride 2**30 + 512: head 2 starts past 2**31
+        shape, order = (2, hkv, pages, page, d), (1, 2, 0, 3)
+    else:
+        pages = 2**31 // ((page - 1) * hkv * d) + 2  # slot 15 of a page starts past 2**31
+        shape, order = (2, page, pages, hkv, d), (1, 0, 2, 3)
     try:
-        storage = torch.empty(2, hkv, pages, page, d, dtype=torch.float16, device=device)
+        storage = torch.empty(shape, dtype=torch.float16, device=device)
     except (RuntimeError, MemoryError) as e:  # an allocator that commits what it reserves
-        pytest.skip(f"could not reserve {storage_gb(hkv, pages, page, d):.1f} GB of address space: {e}")
-    k_cache, v_cache = (storage[i].permute(1, 2, 0, 3) for i in range(2))
-    assert k_cache.stride(2) < 2**31 < (hkv - 1) * k_cache.stride(2)
+        pytest.skip(f"could not reserve {math.prod(shape) * 2 / 1e9:.1f} GB of address space: {e}")
+    k_cache, v_cache = (storage[i].permute(*order) for i in range(2))
+    assert max((hkv - 1) * k_cache.stride(2), (page - 1) * k_cache.stride(1)) > 2**31
     for cache in (k_cache, v_cache):  # the pages the batch reads
         cache[:2] = torch.randn(2, page, hkv, d, dtype=torch.float16, device=device)
     q = torch.randn(t, 2 * hkv, d, dtype=torch.float16, device=device)
@@ -117,13 +125,9 @@ def test_head_major_cache_past_2_pow_31_elements(num_splits, device, kernels):
     small = (c[:2].double().contiguous() for c in (k_cache, v_cache))
     ref = reference.paged_attention(q.double(), *small, *meta)
     assert relative_error(out, ref) < TOL[torch.float16]
-    k, v = (torch.randn(t, hkv, d, dtype=torch.float16, device=device) for _ in range(2))
-    kernels.store_kv(k, v, k_cache, v_cache, torch.arange(t, device=device) + 2 * page)  # page 2, every head
-    assert torch.equal(k_cache[2, :t], k) and torch.equal(v_cache[2, :t], v)
-
-
-def storage_gb(hkv, pages, page, d):
-    return 2 * hkv * pages * page * d * 2 / 1e9
+    k, v = (torch.randn(page, hkv, d, dtype=torch.float16, device=device) for _ in range(2))
+    kernels.store_kv(k, v, k_cache, v_cache, torch.arange(page, device=device) + 2 * page)  # all of page 2
+    assert torch.equal(k_cache[2], k) and torch.equal(v_cache[2], v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

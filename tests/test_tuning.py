@@ -104,6 +104,7 @@ def test_table_files_are_valid(tmp_path, monkeypatch):
         ("{}", "malformed tuning table .KeyError: 'choices'"),
         ('{"choices": []}', "malformed tuning table .AttributeError"),
         ('{"choices": {"decode/bfloat16/128": "cuda"}}', "malformed tuning table .TypeError"),
+        ('{"choices": {"decode/bfloat16/128": {"backend": ["cuda"]}}}', r"backends \[\['cuda'\]\]; allowed"),
         ('{"choices": {"decode/bf16/128": {"backend": "cuda"}}}', r"keys \['decode/bf16/128'\] are not <kind>"),
         ('{"choices": {"long-decode/float16/64": {"backend": "cuda"}}}', r"keys .*; kinds: decode, prefill, mixed;"),
     ]:

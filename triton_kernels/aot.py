@@ -91,6 +91,7 @@ def compile_attention(
         NUM_SPLITS=num_splits,
         DOT_FP32=False,
         PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        SLOT_I64=False,
     )
     compiled = compile_for_target(
         _paged_attention_kernel, types, constexprs, arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages

@@ -87,6 +87,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLOT_I64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -144,7 +145,9 @@ def _paged_attention_kernel(
         kv_pos = tile * TILE_N + offs_n
         kv_valid = kv_pos < kv_end
         page = tl.load(bt_row + kv_pos // PAGE_SIZE, mask=kv_valid, other=0).to(tl.int64)
-        slot = (kv_pos % PAGE_SIZE).to(tl.int64)
+        slot = kv_pos % PAGE_SIZE
+        if SLOT_I64:  # (PAGE_SIZE - 1) * stride_ks passes 2**31 (an unusual layout): 64-bit products
+            slot = slot.to(tl.int64)
         kv_mask = kv_valid[:, None] & d_mask[None, :]
         k_offs = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
         k = tl.load(k_head + k_offs, mask=kv_mask, other=0.0)
@@ -327,6 +330,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DOT_FP32=interpret and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SLOT_I64=(dims.page_size - 1) * max(k_cache.stride(1), v_cache.stride(1)) >= 2**31,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -107,7 +107,8 @@ def _load_safetensors(net: CausalLM, path: Path) -> None:
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                if name.endswith("rotary_emb.inv_freq") or (
+                # RoPE buffers some trainers save (ColossalAI: cos/sin caches); vLLM skips them too
+                if name.endswith(("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")) or (
                     name == "lm_head.weight" and net.config.tie_word_embeddings
                 ):
                     continue

@@ -101,9 +101,9 @@ def load_table(device_name: str) -> dict[str, str] | None:
             f"{path}: malformed tuning table ({type(e).__name__}: {e}); expected "
             '{"choices": {"<kind>/<dtype>/<head_dim>": {"backend": "<name>"}, ...}}'
         ) from None
-    bad = {b for b in choices.values() if b not in CHOICES}
+    bad = [b for b in choices.values() if not isinstance(b, str) or b not in CHOICES]
     if bad:
-        raise ValueError(f"{path}: backends {sorted(bad)}; allowed: {', '.join(CHOICES)}")
+        raise ValueError(f"{path}: backends {bad}; allowed: {', '.join(CHOICES)}")
     keys = [key for key in choices if not _KEY.fullmatch(key)]
     if keys:
         raise ValueError(
