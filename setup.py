@@ -50,7 +50,7 @@ def parse_archs(archs: str) -> list[str]:
             continue
         m = re.fullmatch(r"([89]|1\d)\.?(\d)([af]?)", entry)
         # a: arch-specific targets from 9.0 (sm_90a), f: family targets from 10.0 (sm_100f)
-        if m is None or (int(m[1]), int(m[2])) < (8, 0) or (m[3], int(m[1])) in {("a", 8), ("f", 8), ("f", 9)}:
+        if m is None or (m[3], int(m[1])) in {("a", 8), ("f", 8), ("f", 9)}:
             sys.exit(
                 f"MINENGINE_CUDA_ARCHS entry {entry!r} (in {archs!r}) is not supported; allowed: compute "
                 "capabilities 8.0 or newer separated by ';', each optionally with an 'a' or 'f' suffix, "

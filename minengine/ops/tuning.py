@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from triton_kernels.contract import FLOAT_DTYPES
+
 TABLE_DIR = Path(__file__).resolve().parent / "tuning"
 CHOICES = ("triton", "cuda", "cuda-wgmma")
 MAX_REL_ERR = 2e-2  # a grid row further than this from triton's output disqualifies its backend
 KINDS = ("decode", "prefill", "mixed")
-_DTYPES = ("float16", "bfloat16", "float32")
-_KEY = re.compile(rf"({'|'.join(KINDS)})/({'|'.join(_DTYPES)})/[1-9][0-9]*")  # as table_key writes them
 
 
 def device_slug(name: str) -> str:
@@ -48,6 +48,10 @@ def call_kind(num_tokens: int, num_seqs: int, max_seqlen_q: int) -> str:
 def table_key(kind: str, dtype: torch.dtype | str, head_dim: int) -> str:
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     return f"{kind}/{name}/{head_dim}"
+
+
+_DTYPES = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)  # the contract's, as table_key names them
+_KEY = re.compile(rf"({'|'.join(KINDS)})/({'|'.join(_DTYPES)})/[1-9][0-9]*")
 
 
 def pick_from_rows(rows: list[dict]) -> dict[str, dict]:
