@@ -1,8 +1,8 @@
 """minengine: a small LLM serving engine driving hand-written paged-attention kernels."""
 
 from minengine.config import EngineConfig
-from minengine.llm import LLM, RequestOutput
+from minengine.llm import LLM, CompletionOutput, RequestOutput
 from minengine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

@@ -6,13 +6,15 @@ Special tokens (which decoding skips) never enter the window, and a long run of 
 whose U+FFFD never completes, is committed a few tokens behind the newest once its text is
 stable, so the window stays short and the work per token bounded whatever the model emits.
 With stop strings, the last ``max(len(stop)) - 1`` characters are held back, so no piece of a
-stop string is ever handed out; when one appears, the text is cut before it.
+stop string is ever handed out; when one appears, the text is cut before it (after it with
+``include_stop``, vLLM's ``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
 
 import itertools
 
+from minengine.sampling_params import SamplingParams
 from minengine.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
@@ -30,9 +32,12 @@ _CONTEXT_MIN, _CONTEXT_MAX = 4, 24
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: list[int] = ()):
+    def __init__(
+        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: list[int] = (), include_stop: bool = False
+    ):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = self._context(prompt_ids)  # the prompt's tail, then the output
         self.text = ""  # complete characters decoded so far (cut at a stop string)
@@ -41,6 +46,10 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None  # which one
         self._prefix_offset = 0  # the decode window is ids[prefix_offset:]
         self._read_offset = len(self.ids)  # ids before this are in text (or are the prompt's)
+
+    @classmethod
+    def for_request(cls, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return cls(tokenizer, params.stop_strings, prompt_ids, params.include_stop_str_in_output)
 
     def _context(self, prompt_ids: list[int]) -> list[int]:
         """The shortest tail of the prompt (at least _CONTEXT_MIN tokens where it has them) that
@@ -85,6 +94,8 @@ class IncrementalDetokenizer:
             found = [(i, s) for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0]
             if found:
                 cut, self.stop_string = min(found, key=lambda f: f[0])  # the first to appear
+                if self.include_stop:
+                    cut += len(self.stop_string)
                 self.text, self.stopped = self.text[:cut], True
 
     def _commit(self, text: str, upto: int) -> None:

@@ -184,7 +184,10 @@ class Engine:
         return req
 
     def new_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """A checked request, not queued yet (``add_request`` queues it)."""
+        """A checked request, not queued yet (``add_request`` queues it). One sequence: the API
+        layers split ``n`` with ``SamplingParams.per_sequence``."""
+        if params.n != 1:
+            raise ValueError(f"n is {params.n}; a request runs one sequence (split it with per_sequence())")
         self.check_request(prompt_ids, params)
         return Request(
             rid=next(self._rids),
@@ -192,7 +195,7 @@ class Engine:
             params=params,
             max_len=len(prompt_ids) + params.max_tokens,
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
-            detok=IncrementalDetokenizer(self.tokenizer, params.stop_strings, prompt_ids) if self.detokenize else None,
+            detok=IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids) if self.detokenize else None,
         )
 
     def abort(self, req: Request) -> None:

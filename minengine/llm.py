@@ -21,16 +21,44 @@ from minengine.sampling_params import SamplingParams
 
 
 @dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated
+class CompletionOutput:
+    """One generated sequence of a prompt (vLLM's ``CompletionOutput``)."""
+
+    index: int  # which of the prompt's ``n`` sequences
     text: str
-    finish_reason: str
+    token_ids: list[int]  # generated
+    finish_reason: str  # "stop" | "length"
     # with finish_reason "stop", as in vLLM: the stop string or stop token id that ended the output
     # (None for an end-of-sequence token)
     stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's outputs, ``SamplingParams.n`` of them, as in vLLM. ``text``, ``token_ids``,
+    ``finish_reason`` and ``stop_reason`` are the first output's (the only one when ``n`` is 1)."""
+
+    request_id: int  # the prompt's index in the generate() call
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
 
 
 class LLM:
@@ -85,14 +113,17 @@ class LLM:
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
 
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+        # each prompt's n sequences run as n requests (sharing the prompt's KV through the prefix cache)
+        seq_ids = [p_ids for p_ids, p in zip(ids, params, strict=True) for _ in range(p.n)]
+        seq_params = [q for p in params for q in p.per_sequence()]
+        with tqdm(total=len(seq_ids), desc="generate", disable=not use_tqdm) as bar:
             if self._workers is not None:
-                results = self._workers.generate(ids, params, bar)
+                results = iter(self._workers.generate(seq_ids, seq_params, bar))
             else:
-                results = self._generate_here(ids, params, bar)
+                results = iter(self._generate_here(seq_ids, seq_params, bar))
         return [
-            RequestOutput(i, text, p_ids, *result)
-            for i, (text, p_ids, result) in enumerate(zip(texts, ids, results, strict=True))
+            RequestOutput(i, text, p_ids, [CompletionOutput(j, *next(results)) for j in range(p.n)])
+            for i, (text, p_ids, p) in enumerate(zip(texts, ids, params, strict=True))
         ]
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -113,7 +144,7 @@ class LLM:
         for r in reqs:
             last = r.output_ids[-1] if r.output_ids else None
             why = stop_reason(r.finish_reason, r.detok, last, r.params.stop_token_ids)
-            results.append((r.output_ids, r.text, r.finish_reason, why))
+            results.append((r.text, r.output_ids, r.finish_reason, why))
         return results
 
     def shutdown(self) -> None:
@@ -172,7 +203,7 @@ class _Workers:
                 text += piece.text
                 reason, stop_reason = piece.finish_reason or reason, piece.stop_reason
             bar.update(1)
-            return tokens, text, reason, stop_reason
+            return text, tokens, reason, stop_reason
 
         async def run_all():
             return await asyncio.gather(*(one(i, p) for i, p in zip(ids, params, strict=True)))

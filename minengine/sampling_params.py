@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # seeds torch.Generator.manual_seed takes
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -21,6 +21,8 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    n: int = 1  # sequences per prompt; sequence j samples with seed + j (with a seed)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -43,8 +45,21 @@ class SamplingParams:
         ids = self.stop_token_ids or []
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"stop_token_ids is {self.stop_token_ids!r}; allowed: a list of integers")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos is {self.ignore_eos!r}; allowed: True or False")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n is {self.n!r}; allowed: an integer >= 1")
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise ValueError(f"seed is {self.seed} with n {self.n}; allowed: seed + n - 1 <= {SEED_MAX}")
+
+    def per_sequence(self) -> list[SamplingParams]:
+        """The ``n`` sequences' own parameters (``n`` = 1 each): sequence j samples with seed + j,
+        so each is reproducible alone and none repeats another."""
+        if self.n == 1:
+            return [self]
+        seed = self.seed
+        return [replace(self, n=1, seed=None if seed is None else seed + j) for j in range(self.n)]
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

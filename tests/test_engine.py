@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -91,6 +92,10 @@ def test_sampling_params_list_must_match(llm):
         (dict(seed=1.5), "seed is 1.5"),
         (dict(seed=2**64), rf"seed is {2**64}; allowed: an integer in \[{-(2**63)}, {2**64 - 1}\]"),
         (dict(seed=-(2**63) - 1), "seed is -9223372036854775809"),
+        (dict(n=0), "n is 0; allowed: an integer >= 1"),
+        (dict(n=True), "n is True"),
+        (dict(seed=2**64 - 2, n=3), rf"seed is {2**64 - 2} with n 3; allowed: seed \+ n - 1 <= {2**64 - 1}"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output is 1; allowed: True or False"),
     ],
 )
 def test_sampling_params_validation(kwargs, message):
@@ -194,6 +199,29 @@ def test_stop_token_ids_and_stop_strings(llm):
     out = gen(llm, "stop test", max_tokens=12, stop=[stop, "\x00never"])
     assert out.finish_reason == "stop" and out.text == text[: text.find(stop)]
     assert stop not in out.text and out.stop_reason == stop
+    kept = gen(llm, "stop test", max_tokens=12, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == text[: text.find(stop) + len(stop)] and kept.stop_reason == stop
+    assert kept.token_ids == out.token_ids and kept.finish_reason == "stop"
+
+
+def test_n_sequences_per_prompt(llm):
+    """vLLM's ``n``: each prompt's RequestOutput has n CompletionOutputs; sequence j samples as a
+    request alone with seed + j would."""
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=7, n=3, ignore_eos=True)
+    outs = llm.generate(["n prompt", [5, 6, 7]], [params, replace(params, n=2, seed=None)], use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 2] and [o.request_id for o in outs] == [0, 1]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2] and outs[0].prompt == "n prompt"
+    for j, c in enumerate(outs[0].outputs):
+        alone = gen(llm, "n prompt", temperature=1.0, max_tokens=6, seed=7 + j, ignore_eos=True)
+        assert (c.token_ids, c.text, c.finish_reason) == (alone.token_ids, alone.text, "length")
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) == 3
+    assert outs[0].text == outs[0].outputs[0].text and outs[0].token_ids == outs[0].outputs[0].token_ids
+    assert all(len(c.token_ids) == 6 for c in outs[1].outputs) and outs[1].prompt_token_ids == [5, 6, 7]
+    greedy = llm.generate("n prompt", SamplingParams(temperature=0, max_tokens=5, n=2), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    assert llm.engine.stats()["kv_pages_in_use"] == 0
+    with pytest.raises(ValueError, match="n is 2; a request runs one sequence"):
+        llm.engine.add_request([1, 2], SamplingParams(n=2))
 
 
 def test_text_is_decoded_once_without_stop_strings(llm):

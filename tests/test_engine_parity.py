@@ -9,6 +9,7 @@ every engine step.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -94,8 +95,10 @@ def test_greedy_matches_transformers(checkpoint, expected, config, kv_checked_st
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == want
     assert all(o.finish_reason == "length" for o in outs)
-    # again on the warm prefix cache (every prompt now hits it), same tokens
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    # again on the warm prefix cache (every prompt now hits it), same tokens; n=2 runs each prompt
+    # twice at once (the two share its cached pages)
+    again = llm.generate(prompts, replace(GREEDY, n=2), use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in again] == [[w, w] for w in want]
     if config.get("max_total_tokens"):  # the small KV pools: preempt mode preempts, reserve never
         preempted = llm.engine.scheduler.num_preemptions
         assert (preempted > 0) == (config.get("kv_admission", "preempt") == "preempt"), preempted

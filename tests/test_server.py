@@ -165,6 +165,14 @@ def test_stop_strings(client):
     said = client.chat.completions.create(**kwargs, extra_body=LONG).choices[0].message.content
     chat = client.chat.completions.create(**kwargs, stop=[said[3:5]])
     assert chat.choices[0].finish_reason == "stop" and chat.choices[0].stop_reason == said[3:5]
+    # include_stop_str_in_output (vLLM's): the text runs to the end of the stop string
+    kept = dict(model=MODEL, prompt="stop", max_tokens=12, temperature=0, stop=[stop], n=2)
+    kept_body = kept | {"extra_body": {"include_stop_str_in_output": True}}
+    out = client.completions.create(**kept_body)
+    want = text[: text.find(stop) + len(stop)]
+    assert [(c.text, c.finish_reason, c.stop_reason) for c in out.choices] == [(want, "stop", stop)] * 2
+    streamed = list(client.completions.create(**kept_body, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices[0].index == 1) == want
 
 
 def test_seeds(client):
@@ -214,7 +222,7 @@ BAD = [
     ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"prompt": "x", "min_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "min_tokens": False}, "min_tokens"),
-    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
 ]

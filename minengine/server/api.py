@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minengine.engine import check_prompt
-from minengine.sampling_params import SEED_MAX, SamplingParams
+from minengine.sampling_params import SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
@@ -102,6 +102,7 @@ class _Sampling(_NullIsDefault):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -240,7 +241,6 @@ _UNSUPPORTED = {
     "logit_bias": ({},),
     "min_tokens": (0,),
     "use_beam_search": (False,),
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "suffix": ("",),
     "top_logprobs": (0,),
@@ -279,8 +279,6 @@ def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: st
         raise APIError(400, f"n is {req.n}; allowed: 1..{MAX_N}", "n")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
-    if req.seed is not None and req.seed <= SEED_MAX < req.seed + req.n - 1:  # choice j samples with seed + j
-        raise APIError(400, f"seed is {req.seed} with n {req.n}; allowed: seed + n - 1 <= {SEED_MAX}", "seed")
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
@@ -292,6 +290,8 @@ def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: st
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
+            n=req.n,
+            include_stop_str_in_output=req.include_stop_str_in_output,
         )
     except ValueError as exc:
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
@@ -457,7 +457,7 @@ def build_app(state: ServerState) -> FastAPI:
             prompts = _completion_prompts(state.tokenizer, req.prompt)
             bootstrap = bootstrap_of(state, req, len(prompts))
             params = sampling_params(req, req.max_tokens)
-            choices = _choices(state, prompts, params, req.n, bootstrap)
+            choices = _choices(state, prompts, params, bootstrap)
         return await _respond(state, raw, req, choices, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -487,7 +487,7 @@ def build_app(state: ServerState) -> FastAPI:
                     raise APIError(400, why, "messages")
                 max_tokens = room - len(prompt_ids)
             params = sampling_params(req, max_tokens, field_name)
-            choices = _choices(state, [prompt_ids], params, req.n, bootstrap, "messages", field_name)
+            choices = _choices(state, [prompt_ids], params, bootstrap, "messages", field_name)
         return await _respond(state, raw, req, choices, chat=True)
 
     return app
@@ -526,12 +526,12 @@ def _choices(
     state: ServerState,
     prompts: list[list[int]],
     params: SamplingParams,
-    n: int,
     bootstrap: Bootstrap | None = None,
     prompt_field: str = "prompt",
     max_field: str = "max_tokens",
 ) -> list[Choice]:
-    """One choice per prompt and n; ``prompt_field`` / ``max_field``: the request's names for them."""
+    """One choice per prompt and sequence; ``prompt_field`` / ``max_field``: the request's names for them."""
+    n = params.n
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(
             400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} sequences; allowed: at most {MAX_SEQUENCES}", "n"
@@ -547,9 +547,8 @@ def _choices(
             raise APIError(400, message, prompt_field) from None
     choices = []
     for ids in prompts:
-        for j in range(n):
-            seeded = replace(params, seed=params.seed + j) if params.seed is not None and j else params
-            choices.append(Choice(len(choices), ids, seeded, bootstrap))
+        for seq_params in params.per_sequence():
+            choices.append(Choice(len(choices), ids, seq_params, bootstrap))
     return choices
 
 

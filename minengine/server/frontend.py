@@ -231,7 +231,7 @@ async def generate(
     Closing the generator early (the client went away) aborts the request in the scheduler.
     """
     arrival = time.perf_counter()
-    detok = IncrementalDetokenizer(tokenizer, params.stop_strings, prompt_ids)
+    detok = IncrementalDetokenizer.for_request(tokenizer, params, prompt_ids)
     queue = client.submit(rid, prompt_ids, replace(params, stop=None), bootstrap)
     metrics.prompt_tokens.inc(len(prompt_ids))
     finished, last, held, last_id = False, None, None, None
