@@ -68,6 +68,31 @@ def test_bad_requests_are_rejected_before_anything_runs(llm, prompt, params, mes
     assert not llm.engine.has_unfinished()  # the valid first prompt was not queued either
 
 
+@pytest.mark.parametrize("config", [dict(), dict(chunked_prefill_size=48), dict(disable_overlap_schedule=True)])
+def test_prompt_pages_shared_in_a_step_are_computed_once(config):
+    """Requests that arrive together and share prompt pages (n sequences of one prompt, or one
+    system prompt) compute those pages once: a request whose next uncached page another request
+    of the step computes waits a pass and finds it in the prefix cache. Outputs are unchanged."""
+    llm = LLM("tiny", page_size=4, **config)
+    computed = []
+    real = llm.engine.runner.prepare
+    llm.engine.runner.prepare = lambda batch: computed.append(sum(n for _, n in batch)) or real(batch)
+    system = "s" * 150  # with BOS, 37 full pages and 3 tokens
+    prompts = [system + "question one", system + "a second question", "unrelated"]
+    params = SamplingParams(temperature=1.0, max_tokens=5, seed=11, n=3, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    lengths = [len(llm.tokenizer.encode(p)) for p in prompts]
+    # each prompt's first sequence computes what is not shared; the others its last token at most
+    # a page (their match ends at the last full page before the last token)
+    shared = 37 * 4
+    prefill = lengths[0] + (lengths[1] - shared) + lengths[2] + 2 * 3 * 4
+    assert sum(computed) <= prefill + 9 * 4, (computed, lengths)  # + 4 decodes of 9 sequences
+    fresh = LLM("tiny", page_size=4, disable_radix_cache=True)
+    want = fresh.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in want]
+    assert llm.engine.stats()["kv_pages_in_use"] == 0
+
+
 def test_request_larger_than_kv_capacity_is_rejected():
     small = LLM("tiny", page_size=4, max_total_tokens=32)
     with pytest.raises(ValueError, match=r"= 40 exceeds the KV cache capacity of 32 tokens"):

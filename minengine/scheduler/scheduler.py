@@ -122,6 +122,7 @@ class Scheduler:
             # on exact counts, as vLLM does: no request is preempted that the step did not need.
             self._preempt(by_rid[plan.preempted[0]])
             preempted = True
+        plan = self._defer_shared_prefixes(plan, by_rid, candidates, matches)
         if self.delayer is not None:
             plan = self._negotiate_prefill(plan, running, waiting, budget)
 
@@ -145,11 +146,12 @@ class Scheduler:
         """At launch: the batch's KV is being written, its sampling requests have a token coming.
         Completed prompt chunks go to the prefix cache now (later readers run after this step)."""
         for req, n in batch:
+            prefilling = req.prefilling
             req.num_computed += n
+            if self.cache is not None and prefilling:  # a chunk of the prompt (the last one too)
+                self._cache_prefix(req)
             if req.num_computed == req.num_tokens:
                 req.num_inflight += 1
-            elif self.cache is not None:  # a chunk of the prompt completed; the prompt goes on
-                self._cache_prefix(req)
 
     def commit(
         self, samplers: list[Request], tokens: list[int], stop: Callable[[Request], str | None]
@@ -186,6 +188,34 @@ class Scheduler:
             if not one_pass.negotiate(WorkerInfo(True, low, len(self.running), max_prefill_bs)):
                 plan = dataclasses.replace(plan, admitted=())
         one_pass.finalize(actual_prefill=bool(plan.admitted))
+        return plan
+
+    def _defer_shared_prefixes(
+        self, plan: Schedule, by_rid: dict, candidates: list[Request], matches: dict
+    ) -> Schedule:
+        """Hold back a request whose next uncached page another request of this step computes
+        (with those after it: first come, first served). ``advance`` caches that page when the
+        step launches, so next pass it is a prefix-cache hit instead of a second computation: the
+        n sequences of one prompt, or requests sharing a system prompt that arrive together,
+        compute the shared pages once. (vLLM shares them within the step; SGLang runs an n > 1
+        prompt once first.) Each deferral lengthens the held request's cached prefix by a page or
+        more, so it waits at most until the shared part is computed."""
+        if self.cache is None or not plan.admitted:
+            return plan
+        ps = self.page_size
+        computing = [(by_rid[rid], by_rid[rid].num_computed + n) for rid, n in plan.running if by_rid[rid].prefilling]
+        waiting = {r.rid: r for r in candidates}
+        for i, (rid, n) in enumerate(plan.admitted):
+            req = waiting[rid]
+            start = len(matches[rid][0]) * ps
+            end = start + ps  # its next page, if full before its last token (always computed)
+            tokens = req.token_ids
+            if end < len(tokens) and any(
+                upto >= end and other[start:end] == tokens[start:end] and other[:start] == tokens[:start]
+                for other, upto in ((x.token_ids, u) for x, u in computing)
+            ):
+                return dataclasses.replace(plan, admitted=plan.admitted[:i])
+            computing.append((req, start + n))
         return plan
 
     def _match(self, req: Request):
