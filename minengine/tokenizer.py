@@ -10,9 +10,11 @@ the way transformers renders it; without one, a ChatML template is used.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -63,18 +65,33 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """``kwargs``: further template variables (vLLM's ``chat_template_kwargs``, e.g. enable_thinking)."""
         if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # the environment transformers renders templates in: {% break %} / {% continue %}, a tojson
+            # that does not HTML-escape, strftime_now
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
             env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
+        return self._template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
 
 
 def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)

@@ -115,3 +115,19 @@ def test_first_output_token_keeps_its_leading_space():
     d = IncrementalDetokenizer(tok, (), prompt)
     text = "".join([d.add([t]) for t in out] + [d.finish()])
     assert text == " Paris 東" == tok.decode(prompt + out)[len(tok.decode(prompt)) :]
+
+
+def test_chat_templates_render_as_transformers_renders_them(tmp_path):
+    """{% break %} (loopcontrols), a tojson that does not HTML-escape, template variables."""
+    import json
+
+    template = (
+        "{%- for m in messages %}{%- if m.role == 'user' %}{%- break %}{%- endif %}{%- endfor %}"
+        "{%- for m in messages %}{{ m.role }}:{{ m.content | tojson }};{%- endfor %}"
+        "{%- if enable_thinking is defined and not enable_thinking %}nothink{%- endif %}"
+    )
+    tiny_tokenizer().backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = Tokenizer.from_dir(tmp_path)
+    text = tok.apply_chat_template([{"role": "user", "content": "<a & 'b'>"}], enable_thinking=False)
+    assert text == """user:"<a & 'b'>";nothink"""

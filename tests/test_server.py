@@ -777,3 +777,38 @@ def test_scheduler_tracebacks_stay_in_the_log():
     died = SchedulerDied('scheduler 0 failed:\nTraceback (most recent call last):\n  File "x.py"\nValueError: boom\n')
     assert _summary(died) == "scheduler 0 failed: ValueError: boom"
     assert _summary(SchedulerDied("a scheduler process exited")) == "a scheduler process exited"
+
+
+# --- values quoted back, vLLM's stream and chat-template fields -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "hi", "temperature": "\\ud800"}',
+        b'{"prompt": "hi", "frequency_penalty": "\\ud800"}',
+        b'{"prompt": [1, "\\ud800"]}',
+        b'{"prompt": "hi", "stop": ["\\ud800", 1]}',
+    ],
+)
+def test_a_lone_surrogate_quoted_in_an_error_is_a_json_400(server, raw):
+    r = httpx.post(server + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "\\ud800" in r.json()["error"]["message"]
+
+
+def test_continuous_usage_stats_is_refused_not_ignored(server):
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    r = httpx.post(server + "/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+def test_chat_template_kwargs_reach_the_template_and_vllm_template_fields_are_not_ignored(server):
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+    plain = httpx.post(server + "/v1/chat/completions", json=base).json()["usage"]["prompt_tokens"]
+    # the built-in ChatML template ignores unknown variables: same prompt, but the field is accepted
+    kw = httpx.post(server + "/v1/chat/completions", json={**base, "chat_template_kwargs": {"enable_thinking": False}})
+    assert kw.status_code == 200 and kw.json()["usage"]["prompt_tokens"] == plain
+    for extra in ({"chat_template_kwargs": {"messages": []}}, {"add_generation_prompt": False}, {"chat_template": "x"}):
+        r = httpx.post(server + "/v1/chat/completions", json={**base, **extra})
+        assert r.status_code == 400, (extra, r.text)

@@ -60,6 +60,8 @@ def _summary(exc: Exception) -> str:
 def error_response(
     status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
+    # a request's lone surrogate (valid JSON: "\\ud800") quoted back would make the body unencodable
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -87,6 +89,7 @@ class _NullIsDefault(BaseModel):
 class StreamOptions(_NullIsDefault):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; only false is accepted (checked in sampling_params)
 
 
 class _Sampling(_NullIsDefault):
@@ -126,6 +129,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
+    chat_template_kwargs: dict[str, Any] | None = None  # as vLLM: extra variables for the chat template
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
 
@@ -255,6 +259,9 @@ _UNSUPPORTED = {
     "functions": ([],),
     "function_call": ("none",),
     "echo": (False,),  # chat (the completions API declares it, and rejects it itself)
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
 }
 
 
@@ -279,6 +286,9 @@ def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: st
         raise APIError(400, f"n is {req.n}; allowed: 1..{MAX_N}", "n")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        why = "stream_options.continuous_usage_stats is true; minengine does not support it (allowed: false)"
+        raise APIError(400, why, "stream_options")
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
@@ -470,8 +480,12 @@ def build_app(state: ServerState) -> FastAPI:
             if not req.messages:
                 raise APIError(400, "messages is empty", "messages")
             messages = chat_text(req.messages)
+            extra = req.chat_template_kwargs or {}
+            reserved = sorted({"messages", "add_generation_prompt"} & extra.keys())
+            if reserved:
+                raise APIError(400, f"chat_template_kwargs may not set {reserved[0]}", "chat_template_kwargs")
             try:
-                text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
             except Exception as exc:  # a template may raise on messages it does not accept
                 raise APIError(400, f"the chat template failed: {exc}", "messages") from None
             prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
