@@ -211,6 +211,21 @@ def test_decode_radix_cache_asks_only_for_new_pages(pair, reference):
 # --- failures: every one ends with a clear error and no KV held on either side ------------------
 
 
+def test_requests_queued_outside_the_engine_count_as_waiting(pair):
+    """The waiting gauge counts what the disaggregation queues hold: decode requests waiting for KV
+    space or for their KV (as vLLM counts its requests waiting for remote KV), prefill requests
+    waiting for their decode server's metadata."""
+    pd = pair(decode={"max_total_tokens": 40, "kv_admission": "reserve"}, decode_radix=False)
+    for i, p in enumerate([PROMPTS[3], PROMPTS[4], PROMPTS[3]]):
+        pd.submit(f"r{i}", p)
+    pd.step()
+    pd.step()
+    assert pd.d.queued() == 3 and pd.p.queued() >= 1  # (the prefill side hears of them one by one)
+    pd.run_until(pd.done("d:r0", "d:r1", "d:r2"))
+    pd.run_until(pd.idle)
+    assert pd.d.queued() == 0 and pd.p.queued() == 0
+
+
 def test_prefill_rejection_fails_the_decode_side(pair):
     pd = pair(prefill={"max_total_tokens": 16})  # the prefill pool cannot hold a 26-token prompt
     pd.submit("big", PROMPTS[4])

@@ -93,6 +93,10 @@ class PrefillDriver:
     def pending(self) -> bool:
         return bool(self.bootstrap or self.closing or self.engine.scheduler.held)
 
+    def queued(self) -> int:
+        """Requests waiting outside the engine (for their decode server's metadata)."""
+        return len(self.bootstrap)
+
     def sockets(self) -> list:
         return [self.xfer.sock]
 
@@ -227,6 +231,11 @@ class DecodeDriver:
 
     def pending(self) -> bool:
         return bool(self.prealloc or self.allocated or self.transfer or self.closing)
+
+    def queued(self) -> int:
+        """Requests waiting outside the engine: for KV space, or for their KV to arrive (vLLM
+        counts its WAITING_FOR_REMOTE_KVS requests as waiting too)."""
+        return len(self.prealloc) + len(self.allocated) + len(self.transfer)
 
     def sockets(self) -> list:
         return [conn.sock for conn in self.xfer.conns.values()]

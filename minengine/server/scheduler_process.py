@@ -181,6 +181,10 @@ class LocalDriver:
         """Waiting on something outside the engine (a KV transfer): poll often."""
         return False
 
+    def queued(self) -> int:
+        """Requests the driver holds outside the engine's queues (disaggregation)."""
+        return 0
+
     def sockets(self) -> list[zmq.Socket]:
         """Sockets whose messages need a pass (a disaggregation peer's), beside the front end's."""
         return []
@@ -260,6 +264,7 @@ def _serve(engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent
         outcomes = engine.drain_delayer_outcomes()
         received, sent = driver.drain_transfer_stats()
         stats = engine.stats()
+        stats["num_requests_waiting"] += driver.queued()  # the gauge counts every request not yet running
         if updates or outcomes or received or sent or stats != last_stats:  # gauges also move without tokens
             outbox.send_pyobj(StepOutput(rank, updates, stats, outcomes, received, sent))
             last_stats = stats
