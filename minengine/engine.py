@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
@@ -42,6 +43,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def resolve_max_tokens(
+    prompt_ids: list[int], params: SamplingParams, context_length: int, kv_capacity: int
+) -> SamplingParams:
+    """``max_tokens=None`` as vLLM takes it: all the room the prompt leaves (context and KV capacity)."""
+    if params.max_tokens is not None:
+        return params
+    room = min(context_length, kv_capacity)
+    if len(prompt_ids) >= room:
+        what = "the context length" if room == context_length else "the KV cache capacity of"
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) leaves no room to generate: {what} {room} tokens")
+    return dataclasses.replace(params, max_tokens=room - len(prompt_ids))
 
 
 def check_prompt(
@@ -176,6 +190,7 @@ class Engine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request is malformed or can never fit."""
+        params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
         check_prompt(prompt_ids, params, self.model_config.vocab_size, self.context_length, self.kv_capacity_tokens)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -188,6 +203,7 @@ class Engine:
         layers split ``n`` with ``SamplingParams.per_sequence``."""
         if params.n != 1:
             raise ValueError(f"n is {params.n}; a request runs one sequence (split it with per_sequence())")
+        params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
         self.check_request(prompt_ids, params)
         return Request(
             rid=next(self._rids),

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from minengine.config import EngineConfig
 from minengine.detokenizer import stop_reason
-from minengine.engine import Engine, check_prompt
+from minengine.engine import Engine, check_prompt, resolve_max_tokens
 from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
 
@@ -102,13 +102,15 @@ class LLM:
             ids.append(self.tokenizer.encode(text) if p_ids is None else p_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids)
+        params = list(sampling_params) if isinstance(sampling_params, list) else [sampling_params] * len(ids)
         if len(params) != len(ids):
             raise ValueError(f"{len(params)} sampling_params for {len(ids)} prompts; give one, or one per prompt")
         for i, (p_ids, p) in enumerate(zip(ids, params, strict=True)):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}; expected SamplingParams")
             try:
+                r = self.engine if self._workers is None else self._workers.ready
+                params[i] = p = resolve_max_tokens(p_ids, p, r.context_length, r.kv_capacity_tokens)
                 self._check(p_ids, p)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None

@@ -12,7 +12,7 @@ GREEDY_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context (as vLLM)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0): no top-k
@@ -25,8 +25,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens is {self.max_tokens!r}; allowed: an integer >= 1")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise ValueError(
+                f"max_tokens is {self.max_tokens!r}; allowed: an integer >= 1, or None (the rest of the context)"
+            )
         if not _number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature is {self.temperature!r}; allowed: a number >= 0")
         if not _number(self.top_p) or not 0 < self.top_p <= 1:
@@ -39,10 +43,10 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
         ):
             raise ValueError(f"seed is {self.seed!r}; allowed: an integer in [{SEED_MIN}, {SEED_MAX}] or None")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        stops = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop is {self.stop!r}; allowed: a non-empty string or a list of them")
-        ids = self.stop_token_ids or []
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"stop_token_ids is {self.stop_token_ids!r}; allowed: a list of integers")
         for name in ("ignore_eos", "include_stop_str_in_output"):

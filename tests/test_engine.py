@@ -114,6 +114,9 @@ def test_sampling_params_list_must_match(llm):
         (dict(min_p=1.5), "min_p is 1.5"),
         (dict(stop=[""]), "stop is"),
         (dict(stop_token_ids=["a"]), "stop_token_ids is"),
+        (dict(stop=0), "stop is 0"),
+        (dict(stop=()), r"stop is \(\)"),
+        (dict(stop_token_ids=""), "stop_token_ids is ''"),
         (dict(seed=1.5), "seed is 1.5"),
         (dict(seed=2**64), rf"seed is {2**64}; allowed: an integer in \[{-(2**63)}, {2**64 - 1}\]"),
         (dict(seed=-(2**63) - 1), "seed is -9223372036854775809"),
@@ -517,3 +520,13 @@ def test_tokenizer_ignores_add_bos_eos_switches_like_transformers(qwen3_dir, tmp
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": False, "add_eos_token": True}))
     assert Tokenizer.from_dir(path).encode("Hello world") == AutoTokenizer.from_pretrained(path).encode("Hello world")
+
+
+def test_max_tokens_none_generates_up_to_the_context():
+    """As vLLM: SamplingParams(max_tokens=None) takes all the room the prompt leaves."""
+    llm = LLM("tiny", context_length=12)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 9 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate([[5] * 12], SamplingParams(max_tokens=None), use_tqdm=False)
+    llm.shutdown()
