@@ -18,6 +18,7 @@ from minengine.detokenizer import stop_reason
 from minengine.engine import Engine, check_prompt, resolve_max_tokens
 from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
+from minengine.tokenizer import chat_messages
 
 
 @dataclass
@@ -127,6 +128,37 @@ class LLM:
             RequestOutput(i, text, p_ids, [CompletionOutput(j, *next(results)) for j in range(p.n)])
             for i, (text, p_ids, p) in enumerate(zip(texts, ids, params, strict=True))
         ]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list
+        of them, each through the checkpoint's chat template with the assistant's turn opened; one
+        output per conversation, whose ``prompt`` is the rendered text. ``chat_template_kwargs``:
+        further template variables (``enable_thinking``, ...)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        extra = dict(chat_template_kwargs or {})
+        if {"messages", "add_generation_prompt"} & extra.keys():
+            raise ValueError("chat_template_kwargs may not set messages or add_generation_prompt")
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
+                raise ValueError(
+                    f"conversation {i} is {conv!r:.80}; allowed: a non-empty list of "
+                    '{"role": ..., "content": ...} dicts'
+                )
+            try:
+                text = self.tokenizer.apply_chat_template(chat_messages(conv), add_generation_prompt=True, **extra)
+            except ValueError as exc:  # a content part that is not text
+                raise ValueError(f"conversation {i}: {exc}") from None
+            except Exception as exc:  # a template may raise on messages it does not accept
+                raise ValueError(f"conversation {i}: the chat template failed: {exc}") from None
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if self.engine is not None:

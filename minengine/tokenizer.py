@@ -95,3 +95,24 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: content parts (text only) joined by newlines, as
+    vLLM joins them; ``None`` content is empty. ValueError names a part that is not text."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f'{where}.type is {json.dumps(kind)}; allowed: "text" (a text-only model)')
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"{where}.text is missing or not a string")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        out.append({**m, "content": content or ""})
+    return out

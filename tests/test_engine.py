@@ -461,6 +461,32 @@ def test_chat_template_and_real_checkpoint(qwen3_dir):
     assert llm.generate(text, GREEDY, use_tqdm=False)[0].finish_reason == "length"
 
 
+def test_chat_renders_each_conversation_and_generates(qwen3_dir):
+    """vLLM's LLM.chat: one conversation or a list; the output's prompt is the rendered text and
+    its tokens are those of generating from it (the template's own special tokens, no others)."""
+    llm = LLM(str(qwen3_dir))
+    hi = [{"role": "user", "content": "hi"}]
+    parts = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"}]}]
+    (one,) = llm.chat(hi, GREEDY, use_tqdm=False)
+    assert one.prompt == "<s><|user|>\nhi</s>\n<|assistant|>\n"
+    assert one.prompt_token_ids == llm.tokenizer.encode(one.prompt, add_special_tokens=False)
+    both = llm.chat([hi, parts], GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert both[0].token_ids == one.token_ids and "<|system|>\nbe brief" in both[1].prompt
+    assert both[1].token_ids == llm.generate(both[1].prompt_token_ids, GREEDY, use_tqdm=False)[0].token_ids
+    for bad, message in (
+        ([["user"]], "conversation 0 is"),
+        (
+            [hi, [{"role": "user", "content": [{"type": "image_url"}]}]],
+            'conversation 1: messages.0.content.0.type is "image_url"',
+        ),
+    ):
+        with pytest.raises(ValueError, match=message):
+            llm.chat(bad, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        llm.chat(hi, GREEDY, use_tqdm=False, chat_template_kwargs={"messages": []})
+    llm.shutdown()
+
+
 def test_dummy_load_format_needs_only_config(qwen3_dir, tmp_path):
     cfg_only = tmp_path / "cfg_only"
     shutil.copytree(qwen3_dir, cfg_only)

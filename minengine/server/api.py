@@ -27,7 +27,7 @@ from minengine.sampling_params import SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
-from minengine.tokenizer import Tokenizer
+from minengine.tokenizer import Tokenizer, chat_messages
 
 DRAIN_SECONDS = 5.0
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -312,24 +312,11 @@ def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: st
 
 
 def chat_text(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them: content parts (text only) joined by newlines, as
-    vLLM joins them."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                where = f"messages.{i}.content.{j}"
-                if part.get("type") != "text":
-                    kind = json.dumps(part.get("type"))
-                    raise APIError(400, f'{where}.type is {kind}; allowed: "text" (a text-only model)', "messages")
-                if not isinstance(part.get("text"), str):
-                    raise APIError(400, f"{where}.text is missing or not a string", "messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        out.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-    return out
+    """Messages as the chat template sees them (``tokenizer.chat_messages``)."""
+    try:
+        return chat_messages([{**(m.model_extra or {}), "role": m.role, "content": m.content} for m in messages])
+    except ValueError as exc:
+        raise APIError(400, str(exc), "messages") from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
