@@ -282,7 +282,9 @@ class Engine:
         # EOS or a stop token id: it is an output token, but not part of the text (as in vLLM)
         stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or ())
         incremental = req.detok is not None and bool(req.detok.stop)
-        if incremental and not stop_token:
+        # vLLM decodes a stop token into the text only with include_stop_str_in_output
+        text_token = not stop_token or p.include_stop_str_in_output
+        if incremental and text_token:
             req.detok.add([token])
         reason = None
         if stop_token or (incremental and req.detok.stopped):
@@ -291,7 +293,7 @@ class Engine:
             reason = "length"
         if reason is not None and req.detok is not None:
             if not incremental:
-                req.detok.add(req.output_ids[:-1] if stop_token else req.output_ids)
+                req.detok.add(req.output_ids if text_token else req.output_ids[:-1])
             req.detok.finish()
             if req.detok.stopped:  # a stop string that ended in an unfinished character
                 reason = "stop"

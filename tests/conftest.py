@@ -61,7 +61,8 @@ def device() -> torch.device:
 
 @pytest.fixture
 def kv_checked_steps(monkeypatch):
-    """Assert after every engine step: pages = free + held by requests + held only by the cache.
+    """Assert after every engine step: pages = free + held by requests + held only by the cache, and
+    each running request's page-table row holds its pages.
 
     Yields the list of per-step accounting dicts (with the waiting-queue length added).
     """
@@ -77,6 +78,13 @@ def kv_checked_steps(monkeypatch):
         sched = self.scheduler
         shared = {p for r in sched.running for p in r.pages[: r.cached_pages]}
         assert len(shared) == (sched.cache.protected_pages if sched.cache else 0)  # what accounting() relies on
+        table = sched.page_table
+        for r in sched.running:  # each request's row of the page table (with the writes queued) is its pages
+            row = table.table[r.slot, : len(r.pages)].tolist()
+            for (slot, col), page in table._pending.items():
+                if slot == r.slot and col < len(row):
+                    row[col] = page
+            assert row == r.pages, (r.rid, row, r.pages)
         steps.append(acc | {"waiting": len(self.scheduler.waiting)})
         return done
 

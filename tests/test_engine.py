@@ -232,6 +232,19 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert kept.token_ids == out.token_ids and kept.finish_reason == "stop"
 
 
+def test_include_stop_str_in_output_keeps_a_stop_token_text(llm):
+    """As vLLM: with include_stop_str_in_output a stop token id's text stays in the output text
+    (decoded at the end without stop strings, token by token with them)."""
+    kw = dict(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    ids = gen(llm, "stop test", **kw).token_ids
+    tok = next(t for t in ids[1:] if llm.tokenizer.decode([t]).isalnum())
+    want = llm.tokenizer.decode(ids[: ids.index(tok) + 1])
+    for stop in (None, ["\x00never"]):
+        out = gen(llm, "stop test", **kw, stop=stop, stop_token_ids=[tok], include_stop_str_in_output=True)
+        assert (out.text, out.stop_reason) == (want, tok)
+        assert gen(llm, "stop test", **kw, stop=stop, stop_token_ids=[tok]).text == want[:-1]
+
+
 def test_n_sequences_per_prompt(llm):
     """vLLM's ``n``: each prompt's RequestOutput has n CompletionOutputs; sequence j samples as a
     request alone with seed + j would."""

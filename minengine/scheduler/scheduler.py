@@ -203,19 +203,32 @@ class Scheduler:
         if self.cache is None or not plan.admitted:
             return plan
         ps = self.page_size
-        computing = [(by_rid[rid], by_rid[rid].num_computed + n) for rid, n in plan.running if by_rid[rid].prefilling]
+        running = [(by_rid[rid], n) for rid, n in plan.running]
+        computing = [(r.token_ids, r.num_computed + n) for r, n in running if r.prefilling]
+        # {start: {the page at start: the token lists computing it}}, built per start the admitted
+        # requests ask about (most share one), so the pass is linear in the batch, not quadratic
+        pages_at: dict[int, dict[tuple, list]] = {}
+
+        def add(index: dict, start: int, tokens: list[int], upto: int) -> None:
+            if upto >= start + ps:
+                index.setdefault(tuple(tokens[start : start + ps]), []).append(tokens)
+
         waiting = {r.rid: r for r in candidates}
         for i, (rid, n) in enumerate(plan.admitted):
             req = waiting[rid]
             start = len(matches[rid][0]) * ps
             end = start + ps  # its next page, if full before its last token (always computed)
             tokens = req.token_ids
-            if end < len(tokens) and any(
-                upto >= end and other[start:end] == tokens[start:end] and other[:start] == tokens[:start]
-                for other, upto in ((x.token_ids, u) for x, u in computing)
-            ):
-                return dataclasses.replace(plan, admitted=plan.admitted[:i])
-            computing.append((req, start + n))
+            if end < len(tokens):
+                if (index := pages_at.get(start)) is None:
+                    index = pages_at[start] = {}
+                    for other, upto in computing:
+                        add(index, start, other, upto)
+                if any(other[:start] == tokens[:start] for other in index.get(tuple(tokens[start:end]), ())):
+                    return dataclasses.replace(plan, admitted=plan.admitted[:i])
+            computing.append((tokens, start + n))
+            for at, index in pages_at.items():
+                add(index, at, tokens, start + n)
         return plan
 
     def _match(self, req: Request):
@@ -269,13 +282,15 @@ class Scheduler:
         if full <= req.cached_pages:
             return
         tokens = req.token_ids[: full * self.page_size]
+        cached = req.cached_pages
         already = self.cache.insert(tokens, req.pages[:full]) // self.page_size
-        self.allocator.free(req.pages[req.cached_pages : already])  # duplicates of cached pages
+        self.allocator.free(req.pages[cached:already])  # duplicates of cached pages
         pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
         self.cache.unlock(req.node)
         req.pages[:full], req.cached_pages, req.node = pages, full, node
-        self.page_table.write(req.slot, 0, pages)
+        if already > cached:  # only the duplicates' ids changed: the cache's pages replace them
+            self.page_table.write(req.slot, cached, pages[cached:already])
 
     def _preempt(self, req: Request) -> None:
         """Drop a running request's KV (its full pages go to the prefix cache) and queue it first;

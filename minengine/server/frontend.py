@@ -196,10 +196,10 @@ def _waiting_updates(update: TokenUpdate, queue: asyncio.Queue) -> tuple[list[To
     return batch, None
 
 
-def _text_ids(ids: list[int], reason: str | None) -> list[int]:
+def _text_ids(ids: list[int], reason: str | None, include_stop: bool = False) -> list[int]:
     """The tokens of an update that make text: a scheduler's "stop" is an EOS or stop token id,
-    which ends the output but is not part of its text (as in vLLM)."""
-    return ids[:-1] if reason == "stop" and ids else ids
+    which ends the output but is not part of its text unless ``include_stop_str_in_output`` (as in vLLM)."""
+    return ids[:-1] if reason == "stop" and ids and not include_stop else ids
 
 
 @dataclass
@@ -265,11 +265,11 @@ async def generate(
                 cached += update.cached_tokens
                 reason = update.finish_reason
                 if detok.stop:  # only stop strings need the text update by update
-                    text += detok.add(_text_ids(update.new_token_ids, reason))
+                    text += detok.add(_text_ids(update.new_token_ids, reason, detok.include_stop))
                     if detok.stopped:
                         break
             if not detok.stop:
-                text = detok.add(_text_ids(ids, reason))
+                text = detok.add(_text_ids(ids, reason, detok.include_stop))
             if detok.stopped and reason != "abort":  # a stop string, before any end in its update
                 if reason is None:  # we are done, the scheduler is not
                     client.abort(rid)
