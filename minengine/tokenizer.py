@@ -79,7 +79,9 @@ class Tokenizer:
             env.globals["strftime_now"] = _strftime_now
             env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
-        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
+        # tools and documents as transformers passes them when a request has none
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        context |= {"tools": None, "documents": None, **kwargs}
         return self._template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
 
 

@@ -125,6 +125,7 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path):
         "{%- for m in messages %}{%- if m.role == 'user' %}{%- break %}{%- endif %}{%- endfor %}"
         "{%- for m in messages %}{{ m.role }}:{{ m.content | tojson }};{%- endfor %}"
         "{%- if enable_thinking is defined and not enable_thinking %}nothink{%- endif %}"
+        "{%- if tools is not none %}tools{%- endif %}"
     )
     tiny_tokenizer().backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
