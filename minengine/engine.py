@@ -45,17 +45,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def generation_room(num_tokens: int, context_length: int, kv_capacity: int, subject: str = "the prompt takes") -> int:
+    """The tokens a prompt of ``num_tokens`` leaves to generate (context and KV capacity); a
+    ValueError, which starts with ``subject``, if none."""
+    room = min(context_length, kv_capacity)
+    if num_tokens >= room:
+        what = "context length" if room == context_length else "KV cache capacity"
+        raise ValueError(
+            f"{subject} {num_tokens} tokens, leaving no room to generate; allowed: at most {room - 1} "
+            f"(the {what} is {room})"
+        )
+    return room - num_tokens
+
+
 def resolve_max_tokens(
     prompt_ids: list[int], params: SamplingParams, context_length: int, kv_capacity: int
 ) -> SamplingParams:
-    """``max_tokens=None`` as vLLM takes it: all the room the prompt leaves (context and KV capacity)."""
+    """``max_tokens=None`` as vLLM takes it: all the room the prompt leaves."""
     if params.max_tokens is not None:
         return params
-    room = min(context_length, kv_capacity)
-    if len(prompt_ids) >= room:
-        what = "the context length" if room == context_length else "the KV cache capacity of"
-        raise ValueError(f"prompt ({len(prompt_ids)} tokens) leaves no room to generate: {what} {room} tokens")
-    return dataclasses.replace(params, max_tokens=room - len(prompt_ids))
+    return dataclasses.replace(params, max_tokens=generation_room(len(prompt_ids), context_length, kv_capacity))
 
 
 def check_prompt(

@@ -18,7 +18,6 @@ from minengine.detokenizer import stop_reason
 from minengine.engine import Engine, check_prompt, resolve_max_tokens
 from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
-from minengine.tokenizer import chat_messages
 
 
 @dataclass
@@ -106,11 +105,11 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, list) else [sampling_params] * len(ids)
         if len(params) != len(ids):
             raise ValueError(f"{len(params)} sampling_params for {len(ids)} prompts; give one, or one per prompt")
+        r = self.engine if self._workers is None else self._workers.ready  # its context and KV capacity
         for i, (p_ids, p) in enumerate(zip(ids, params, strict=True)):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}; expected SamplingParams")
             try:
-                r = self.engine if self._workers is None else self._workers.ready
                 params[i] = p = resolve_max_tokens(p_ids, p, r.context_length, r.kv_capacity_tokens)
                 self._check(p_ids, p)
             except ValueError as exc:
@@ -141,9 +140,6 @@ class LLM:
         output per conversation, whose ``prompt`` is the rendered text. ``chat_template_kwargs``:
         further template variables (``enable_thinking``, ...)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        extra = dict(chat_template_kwargs or {})
-        if {"messages", "add_generation_prompt"} & extra.keys():
-            raise ValueError("chat_template_kwargs may not set messages or add_generation_prompt")
         prompts = []
         for i, conv in enumerate(conversations):
             if not isinstance(conv, list) or not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
@@ -152,11 +148,9 @@ class LLM:
                     '{"role": ..., "content": ...} dicts'
                 )
             try:
-                text = self.tokenizer.apply_chat_template(chat_messages(conv), add_generation_prompt=True, **extra)
-            except ValueError as exc:  # a content part that is not text
+                text = self.tokenizer.render_chat(conv, chat_template_kwargs)
+            except ValueError as exc:
                 raise ValueError(f"conversation {i}: {exc}") from None
-            except Exception as exc:  # a template may raise on messages it does not accept
-                raise ValueError(f"conversation {i}: the chat template failed: {exc}") from None
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -84,6 +84,22 @@ class Tokenizer:
         context |= {"tools": None, "documents": None, **kwargs}
         return self._template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
 
+    def render_chat(self, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """A conversation as a prompt: its content parts joined (``chat_messages``), rendered with
+        the assistant's turn opened and the caller's template variables (vLLM's
+        ``chat_template_kwargs``). ValueError for what the caller got wrong: a part that is not
+        text, a variable that would replace ``messages`` or ``add_generation_prompt``, messages
+        the template refuses."""
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted({"messages", "add_generation_prompt"} & extra.keys())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]}")
+        messages = chat_messages(messages)
+        try:
+            return self.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        except Exception as exc:  # a template may raise on messages it does not accept
+            raise ValueError(f"the chat template failed: {exc}") from None
+
 
 def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)

@@ -566,6 +566,6 @@ def test_max_tokens_none_generates_up_to_the_context():
     llm = LLM("tiny", context_length=12)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 9 and out.finish_reason == "length"
-    with pytest.raises(ValueError, match="leaves no room"):
+    with pytest.raises(ValueError, match="leaving no room to generate; allowed: at most 11"):
         llm.generate([[5] * 12], SamplingParams(max_tokens=None), use_tqdm=False)
     llm.shutdown()

@@ -203,8 +203,10 @@ class Scheduler:
         if self.cache is None or not plan.admitted:
             return plan
         ps = self.page_size
-        running = [(by_rid[rid], n) for rid, n in plan.running]
-        computing = [(r.token_ids, r.num_computed + n) for r, n in running if r.prefilling]
+        computing = []  # (token ids, tokens with KV after this step) of each request computing prompt pages
+        for rid, n in plan.running:
+            if (r := by_rid[rid]).prefilling:
+                computing.append((r.token_ids, r.num_computed + n))
         # {start: {the page at start: the token lists computing it}}, built per start the admitted
         # requests ask about (most share one), so the pass is linear in the batch, not quadratic
         pages_at: dict[int, dict[tuple, list]] = {}

@@ -22,12 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minengine.engine import check_prompt
+from minengine.engine import check_prompt, generation_room
 from minengine.sampling_params import SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
-from minengine.tokenizer import Tokenizer, chat_messages
+from minengine.tokenizer import Tokenizer
 
 DRAIN_SECONDS = 5.0
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -311,12 +311,14 @@ def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: st
     return params
 
 
-def chat_text(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them (``tokenizer.chat_messages``)."""
+def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
+    """The request's conversation rendered by the chat template (``Tokenizer.render_chat``)."""
+    messages = [{**(m.model_extra or {}), "role": m.role, "content": m.content} for m in req.messages]
     try:
-        return chat_messages([{**(m.model_extra or {}), "role": m.role, "content": m.content} for m in messages])
+        return tokenizer.render_chat(messages, req.chat_template_kwargs)
     except ValueError as exc:
-        raise APIError(400, str(exc), "messages") from None
+        param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(exc), param) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -466,27 +468,18 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError(400, "logprobs is not supported", "logprobs")
             if not req.messages:
                 raise APIError(400, "messages is empty", "messages")
-            messages = chat_text(req.messages)
-            extra = req.chat_template_kwargs or {}
-            reserved = sorted({"messages", "add_generation_prompt"} & extra.keys())
-            if reserved:
-                raise APIError(400, f"chat_template_kwargs may not set {reserved[0]}", "chat_template_kwargs")
-            try:
-                text = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-            except Exception as exc:  # a template may raise on messages it does not accept
-                raise APIError(400, f"the chat template failed: {exc}", "messages") from None
+            text = chat_prompt(state.tokenizer, req)
             prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
             field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             bootstrap = bootstrap_of(state, req, 1)
             if max_tokens is None and (ready := state.client.ready) is not None:  # as vLLM: all the room left
-                room = min(ready.context_length, ready.kv_capacity_tokens)
-                if len(prompt_ids) >= room:
-                    what = "context length" if room == ready.context_length else "KV cache capacity"
-                    why = f"the messages take {len(prompt_ids)} tokens; allowed: at most {room - 1}"
-                    why += f" (the {what} is {room})"
-                    raise APIError(400, why, "messages")
-                max_tokens = room - len(prompt_ids)
+                try:
+                    max_tokens = generation_room(
+                        len(prompt_ids), ready.context_length, ready.kv_capacity_tokens, "the messages take"
+                    )
+                except ValueError as exc:
+                    raise APIError(400, str(exc), "messages") from None
             params = sampling_params(req, max_tokens, field_name)
             choices = _choices(state, [prompt_ids], params, bootstrap, "messages", field_name)
         return await _respond(state, raw, req, choices, chat=True)
