@@ -2,7 +2,8 @@
 
 from minengine.config import EngineConfig
 from minengine.llm import LLM, CompletionOutput, RequestOutput
+from minengine.logprobs import Logprob
 from minengine.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]

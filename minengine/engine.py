@@ -199,6 +199,9 @@ class Engine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request is malformed or can never fit."""
+        if params.logprobs is not None and self.config.disaggregation_mode != "null":
+            # the prefill server samples the first token: the decode server never sees its logprobs
+            raise ValueError(f"logprobs is {params.logprobs}; with prefill/decode disaggregation allowed: None")
         params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
         check_prompt(prompt_ids, params, self.model_config.vocab_size, self.context_length, self.kv_capacity_tokens)
 
@@ -257,7 +260,8 @@ class Engine:
         return done
 
     def _commit(self, step: Launched) -> list[Request]:
-        return self.scheduler.commit(step.samplers, self.runner.resolve(step), self.stop_reason)
+        tokens, logprobs = self.runner.resolve(step)
+        return self.scheduler.commit(step.samplers, tokens, self.stop_reason, logprobs)
 
     def in_flight_event(self):
         """The CUDA event of the step launched and not read yet (None: none, or not on CUDA)."""

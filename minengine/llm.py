@@ -16,6 +16,7 @@ from tqdm import tqdm
 from minengine.config import EngineConfig
 from minengine.detokenizer import stop_reason
 from minengine.engine import Engine, check_prompt, resolve_max_tokens
+from minengine.logprobs import Logprob, output_logprobs
 from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
 
@@ -31,6 +32,10 @@ class CompletionOutput:
     # with finish_reason "stop", as in vLLM: the stop string or stop token id that ended the output
     # (None for an end-of-sequence token)
     stop_reason: str | int | None = None
+    # with SamplingParams.logprobs, as in vLLM: per token {token id: Logprob} (the sampled token,
+    # then the top ones), and the sampled tokens' summed logprob; None otherwise
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -172,7 +177,8 @@ class LLM:
         for r in reqs:
             last = r.output_ids[-1] if r.output_ids else None
             why = stop_reason(r.finish_reason, r.detok, last, r.params.stop_token_ids)
-            results.append((r.text, r.output_ids, r.finish_reason, why))
+            logprobs = output_logprobs(r.output_ids, r.output_logprobs, self.tokenizer)
+            results.append((r.text, r.output_ids, r.finish_reason, why, *logprobs))
         return results
 
     def shutdown(self) -> None:
@@ -225,13 +231,16 @@ class _Workers:
 
         async def one(prompt_ids: list[int], p: SamplingParams) -> tuple:
             tokens, text, reason, stop_reason = [], "", "abort", None
+            entries = [] if p.logprobs is not None else None
             pieces = generate(self.workers.client, self.tokenizer, self.metrics, uuid.uuid4().hex, prompt_ids, p)
             async for piece in pieces:
                 tokens += piece.token_ids
                 text += piece.text
                 reason, stop_reason = piece.finish_reason or reason, piece.stop_reason
+                if entries is not None:
+                    entries += piece.logprobs
             bar.update(1)
-            return text, tokens, reason, stop_reason
+            return text, tokens, reason, stop_reason, *output_logprobs(tokens, entries, self.tokenizer)
 
         async def run_all():
             return await asyncio.gather(*(one(i, p) for i, p in zip(ids, params, strict=True)))

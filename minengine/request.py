@@ -11,6 +11,10 @@ from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory.radix_cache import Node
 from minengine.sampling_params import SamplingParams
 
+# one output token's logprobs: (its logprob, its rank in the vocabulary from 1, the top token ids,
+# their logprobs), the top ones most likely first (``SamplingParams.logprobs`` of them)
+TokenLogprobs = tuple[float, int, list[int], list[float]]
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -39,11 +43,14 @@ class Request:
     prefix_match: tuple | None = None  # waiting: ((radix version, tokens), pages, node) of its last match
     prefill_len: int = 0  # tokens its prefill computes: the prompt, or every known token once preempted
     num_preemptions: int = 0  # times its KV was dropped to make room (it resumes by recomputing)
+    output_logprobs: list[TokenLogprobs] | None = None  # one per output token, when params.logprobs is set
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         self.prefill_len = self.prefill_len or len(self.prompt_ids)
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
 
     @property
     def output_ids(self) -> list[int]:

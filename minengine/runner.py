@@ -22,7 +22,7 @@ from minengine.memory.kv_pool import to_device, to_device_packed
 from minengine.models import CausalLM, ForwardBatch
 from minengine.ops import HostMetadata, KernelSet
 from minengine.profiling import step_range
-from minengine.request import Request
+from minengine.request import Request, TokenLogprobs
 from minengine.sampler import Sampler
 
 
@@ -34,6 +34,10 @@ class Launched:
     tokens: torch.Tensor  # host (pinned on CUDA)
     done: torch.cuda.Event | None
     kv: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens with KV once it is done)
+    # the rows (of ``samplers``) that asked for logprobs, and on the host (written by ``done``):
+    # [rows, 1 + k] float32 (the sampled token's logprob, then the top k's) and int64 (its rank,
+    # then the top k's ids), k the largest number asked for
+    logprobs: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -126,18 +130,56 @@ class ModelRunner:
         with step_range("sampling"):
             tokens = self.sampler(logits, samplers, greedy)
         self.token_buffer[sample_slots] = tokens
+        asked = [i for i, req in enumerate(samplers) if req.params.logprobs is not None]
+        if asked:
+            with step_range("logprobs"):
+                k = max(samplers[i].params.logprobs for i in asked)
+                values, ids = token_logprobs(logits, tokens, to_device(asked, torch.int64, self.device), k)
         if self.device.type != "cuda":
             # a graph's output is overwritten by the next step, launched before this one is read
-            return Launched(samplers, tokens if greedy is None else tokens.clone(), None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            step = Launched(samplers, tokens if greedy is None else tokens.clone(), None)
+            step.logprobs = (asked, values, ids) if asked else None
+            return step
+        host = [_to_host(tokens)] + ([_to_host(values), _to_host(ids)] if asked else [])
         done = torch.cuda.Event()
         done.record()
-        return Launched(samplers, host, done)
+        step = Launched(samplers, host[0], done)
+        step.logprobs = (asked, host[1], host[2]) if asked else None
+        return step
 
     @staticmethod
-    def resolve(step: Launched) -> list[int]:
-        """The step's sampled tokens (waits for the device)."""
+    def resolve(step: Launched) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """The step's sampled tokens, and each sampler's logprobs (None for those that did not ask;
+        None for the whole list if none did). Waits for the device."""
         if step.done is not None:
             step.done.synchronize()
-        return step.tokens.tolist()
+        if step.logprobs is None:
+            return step.tokens.tolist(), None
+        asked, values, ids = step.logprobs
+        per_sampler: list[TokenLogprobs | None] = [None] * len(step.samplers)
+        for i, v, t in zip(asked, values.tolist(), ids.tolist(), strict=True):
+            k = step.samplers[i].params.logprobs
+            per_sampler[i] = (v[0], t[0], t[1 : 1 + k], v[1 : 1 + k])
+        return step.tokens.tolist(), per_sampler
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``rows`` of ``logits`` [S, V] and their sampled ``tokens`` [S]: ([R, 1 + k] float32: the
+    sampled token's log-probability, then the k most likely tokens'; [R, 1 + k] int64: the sampled
+    token's rank in the vocabulary (1: the most likely), then the k tokens' ids). Raw logprobs, as
+    vLLM's default: the model's distribution before temperature and filters."""
+    logp = logits.index_select(0, rows).float().log_softmax(-1)
+    sampled = logp.gather(1, tokens.index_select(0, rows)[:, None])
+    rank = (logp > sampled).sum(-1, keepdim=True) + 1  # ties share the better rank
+    top = logp.topk(k, -1) if k else (logp[:, :0], rank[:, :0])
+    return torch.cat([sampled, top[0]], 1), torch.cat([rank, top[1]], 1)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of device tensor ``x``, made without blocking (valid once the stream
+    has passed this point)."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host

@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 # seeds torch.Generator.manual_seed takes
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# most alternatives a token's logprobs may list (vLLM's default max_logprobs)
+MAX_LOGPROBS = 20
 # temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one overflows
 GREEDY_TEMPERATURE = 1e-5
 
@@ -23,6 +25,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # sequences per prompt; sequence j samples with seed + j (with a seed)
     include_stop_str_in_output: bool = False
+    # per output token: the sampled token's log-probability and rank, and the ``logprobs`` most
+    # likely tokens' (None: none). Of the model's raw distribution, before temperature and the
+    # top-k / top-p / min-p filters, as vLLM's default ``raw_logprobs``
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (
@@ -54,6 +60,12 @@ class SamplingParams:
                 raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n is {self.n!r}; allowed: an integer >= 1")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs is {self.logprobs!r}; allowed: None or an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             raise ValueError(f"seed is {self.seed} with n {self.n}; allowed: seed + n - 1 <= {SEED_MAX}")
 

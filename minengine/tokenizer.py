@@ -37,6 +37,7 @@ class Tokenizer:
         # decoding skips these, so a stream of them adds no text
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._template = None
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -64,6 +65,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text on its own, special tokens included (for logprobs); a piece of a
+        multi-byte character decodes to U+FFFD, as in vLLM."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

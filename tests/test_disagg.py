@@ -5,6 +5,7 @@ or the fake backend. Stepping both by hand makes every failure scenario determin
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -232,6 +233,16 @@ def test_prefill_rejection_fails_the_decode_side(pair):
     pd.run_until(pd.done("d:big", "p:big"))
     assert "exceeds the KV cache capacity" in pd.out["p:big"]["error"]
     assert "prefill server" in pd.out["d:big"]["error"] and "KV cache capacity" in pd.out["d:big"]["error"]
+    pd.run_until(pd.idle)
+
+
+def test_logprobs_are_refused_on_both_sides(pair):
+    """Neither engine takes a request for logprobs (the decode side never sees the first token's)."""
+    pd = pair()
+    pd.submit("lp", PROMPTS[2], params=replace(GREEDY, logprobs=1))
+    pd.run_until(pd.done("d:lp", "p:lp"))
+    for side in "pd":
+        assert "with prefill/decode disaggregation allowed: None" in pd.out[f"{side}:lp"]["error"]
     pd.run_until(pd.idle)
 
 

@@ -43,3 +43,31 @@ def test_bf16_mixed_batches_on_gpu():
     assert all(len(o.token_ids) == 20 for o in outs)
     acc = llm.engine.scheduler.accounting()
     assert acc["held_by_requests"] == 0 and acc["free"] + acc["held_only_by_cache"] == acc["total"]
+
+
+def test_logprobs_with_cuda_graphs_match_a_float64_reference(tmp_path):
+    """Decode steps replay CUDA graphs; logprobs are computed from the graph's logits after it,
+    and pinned host copies of them are read with the step's tokens."""
+    import transformers
+    from test_logprobs import check_output, prompts_for, reference
+
+    path = build_checkpoint(tmp_path / "qwen3", "qwen3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    prompts = prompts_for(hf.config.vocab_size)
+    params = [
+        SamplingParams(max_tokens=16, temperature=0.9, seed=5, logprobs=4, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, logprobs=0, ignore_eos=True),
+    ]
+    llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", page_size=16)
+    try:
+        assert llm.engine.runner.graphs is not None
+        for prompt, p, o in zip(prompts, params, llm.generate(prompts, params, use_tqdm=False), strict=True):
+            out = o.outputs[0]
+            if p.logprobs is None:
+                assert out.logprobs is None
+            else:
+                check_output(out, reference(hf, prompt, out.token_ids), p.logprobs, llm.tokenizer)
+    finally:
+        llm.shutdown()

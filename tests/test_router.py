@@ -152,6 +152,17 @@ def test_decode_side_rejection_through_the_router(cluster):
     assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
 
 
+def test_logprobs_are_refused_with_disaggregation(cluster):
+    """The prefill server samples the first token, so the decode server cannot report its
+    logprobs: a 400 that names the field, and both halves let go."""
+    via = client(cluster["router"])
+    model = via.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="logprobs is requested on a .* server") as err:
+        via.completions.create(model=model, prompt="hello", max_tokens=4, logprobs=1)
+    assert err.value.body["param"] == "logprobs"
+    assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
+
+
 def test_client_disconnect_mid_stream_frees_both_sides(cluster):
     model = client(cluster["single"]).models.list().data[0].id
     body = {"model": model, "prompt": "a long story", "max_tokens": 400, "stream": True, "ignore_eos": True}

@@ -203,7 +203,8 @@ BAD = [
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
     # seeds torch cannot take used to kill the scheduler (choice j of n samples with seed + j)
     ({"prompt": "x", "seed": 2**64}, "seed"),
     ({"prompt": "x", "seed": -(2**63) - 1}, "seed"),
@@ -567,6 +568,8 @@ BOOT = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 9000, "bootstrap_room": 
         ("completions", {"prompt": "x", "model": "other"}, "model"),
         ("chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
         ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
+        ("completions", {"prompt": "x", "logprobs": 0}, "logprobs"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
     ],
 )
 def test_a_refused_disaggregated_request_tells_the_other_server(mode, path, body, param):
@@ -812,3 +815,138 @@ def test_chat_template_kwargs_reach_the_template_and_vllm_template_fields_are_no
     for extra in ({"chat_template_kwargs": {"messages": []}}, {"add_generation_prompt": False}, {"chat_template": "x"}):
         r = httpx.post(server + "/v1/chat/completions", json={**base, **extra})
         assert r.status_code == 400, (extra, r.text)
+
+
+def test_completion_logprobs_equal_the_offline_ones_streamed_or_not(client):
+    """Raw logprobs of every output token (EOS included), the sampled token and the top k in the
+    completions shape; a stream's chunks add up to the whole answer; the values are the offline
+    engine's for the same request."""
+    from minengine import LLM, SamplingParams
+
+    kwargs = dict(model=MODEL, prompt="Hello there", max_tokens=8, temperature=0, logprobs=3, extra_body=LONG)
+    full = client.completions.create(**kwargs)
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == full.usage.completion_tokens == 8
+    offsets = [0]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # greedy: it is the top one; two tokens with one text (U+FFFD: part of a character) share a key
+        assert top[token] == value == max(top.values()) and 1 <= len(top) <= 3
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets[:-1]
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    # equal up to float rounding: the prefix cache changes how the prompt's KV was computed
+    joined = {field: [x for part in streamed for x in getattr(part, field)] for field in vars(lp)}
+    assert joined["tokens"] == lp.tokens and joined["text_offset"] == lp.text_offset
+    assert joined["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert [list(top) for top in joined["top_logprobs"]] == [list(top) for top in lp.top_logprobs]
+    llm = LLM("tiny", device="cpu")
+    try:
+        out = llm.generate("Hello there", SamplingParams(max_tokens=8, temperature=0, logprobs=3, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    steps = out[0].outputs[0].logprobs
+    assert [s[t].decoded_token for t, s in zip(out[0].token_ids, steps, strict=True)] == lp.tokens
+    assert [s[t].logprob for t, s in zip(out[0].token_ids, steps, strict=True)] == pytest.approx(
+        lp.token_logprobs, abs=1e-4
+    )
+    plain = client.completions.create(**{**kwargs, "logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == full.choices[0].text
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    messages = [{"role": "user", "content": "hi"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body=LONG)
+    out = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == 6
+    for item in content:
+        assert item.bytes == list(item.token.encode()) and item.logprob <= 0
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == item.logprob  # greedy
+
+    # the same up to float rounding (the prefix cache changes how the prompt's KV was computed)
+    def same(items, top=True):
+        assert [(c.token, [t.token for t in c.top_logprobs] if top else []) for c in items] == [
+            (c.token, [t.token for t in c.top_logprobs] if top else []) for c in content
+        ]
+        assert [c.logprob for c in items] == pytest.approx([c.logprob for c in content], abs=1e-5)
+
+    bare = client.chat.completions.create(**kwargs, logprobs=True).choices[0].logprobs.content
+    assert all(c.top_logprobs == [] for c in bare)
+    same(bare, top=False)
+    stream = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2, stream=True)
+    same([x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content])
+    assert client.chat.completions.create(**kwargs).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param", "message"),
+    [
+        ("completions", {"logprobs": 21}, "logprobs", "logprobs is 21; allowed: None or an integer in [0, 20]"),
+        ("completions", {"logprobs": -1}, "logprobs", "logprobs is -1; allowed"),
+        ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs is 2; it needs logprobs: true"),
+        ("chat/completions", {"logprobs": False, "top_logprobs": 0}, "top_logprobs", "needs logprobs: true"),
+        (
+            "chat/completions",
+            {"logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+            "top_logprobs is 21; allowed: 0..20",
+        ),
+        ("chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "top_logprobs is -1; allowed"),
+    ],
+)
+def test_bad_logprobs_requests_are_400s(server, path, extra, param, message):
+    body = {"prompt": "x"} if path == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(f"{server}/v1/{path}", json=body | {"max_tokens": 2} | extra)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert message in r.json()["error"]["message"]
+
+
+def test_stream_options_without_include_usage_sends_usage_as_vllm(server):
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {}}
+    r = httpx.post(server + "/v1/completions", json=body)
+    assert r.status_code == 200 and '"usage": {"prompt_tokens"' in r.text
+
+
+def test_logprobs_of_tokens_without_text_go_with_the_next_chunk():
+    """A piece whose tokens make no text yet sends no chunk: its logprobs are not lost, they go
+    with the next chunk, and text offsets run on."""
+    from types import SimpleNamespace
+
+    from minengine.models.tiny import tiny_tokenizer
+    from minengine.sampling_params import SamplingParams
+    from minengine.server import api
+    from minengine.server.frontend import Piece
+    from minengine.server.metrics import Metrics
+
+    tok = tiny_tokenizer()
+    entry = lambda v: (v, 1, [5], [v])  # noqa: E731
+    pieces = [
+        Piece("", [0xE2 + 4], logprobs=[entry(-1.0)]),  # half a character: no text yet
+        Piece("ab", [0x82 + 4, ord("a") + 4], logprobs=[entry(-2.0), entry(-3.0)]),
+        Piece("", [1], "stop", logprobs=[entry(-4.0)]),
+    ]
+
+    async def fake_pieces(state, choices):
+        for p in pieces:
+            yield 0, p
+
+    async def run(chat):
+        state = api.ServerState(SimpleNamespace(), tok, MODEL, Metrics())
+        choices = [api.Choice(0, [1], SamplingParams(logprobs=1))]
+        stream = api._stream(state, choices, "id", 0, MODEL, chat, False, 1, {0})
+        return [json.loads(line[6:]) for line in [x async for x in stream] if line.startswith("data: {")]
+
+    orig, api._pieces = api._pieces, fake_pieces
+    try:
+        events = asyncio.run(run(False))
+        chat_events = asyncio.run(run(True))
+    finally:
+        api._pieces = orig
+    parts = [e["choices"][0]["logprobs"] for e in events]
+    assert [p["token_logprobs"] for p in parts] == [[-1.0, -2.0, -3.0], [-4.0]]
+    texts = [tok.token_text(t) for p in pieces for t in p.token_ids]
+    assert [o for p in parts for o in p["text_offset"]] == [0, *[sum(map(len, texts[:i])) for i in range(1, 4)]]
+    content = [c["logprob"] for e in chat_events[1:] for c in e["choices"][0]["logprobs"]["content"]]
+    assert content == [-1.0, -2.0, -3.0, -4.0]

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 
 from minengine.memory import PageAllocator, PageTable, RadixCache
-from minengine.request import Request, Status
+from minengine.request import Request, Status, TokenLogprobs
 from minengine.scheduler.policy import Budget, RunningInfo, Schedule, WaitingInfo, build_schedule, new_record
 from minengine.scheduler.prefill_delayer import PrefillDelayer, WorkerInfo
 
@@ -154,17 +154,24 @@ class Scheduler:
                 req.num_inflight += 1
 
     def commit(
-        self, samplers: list[Request], tokens: list[int], stop: Callable[[Request], str | None]
+        self,
+        samplers: list[Request],
+        tokens: list[int],
+        stop: Callable[[Request], str | None],
+        logprobs: list[TokenLogprobs | None] | None = None,
     ) -> list[Request]:
-        """When a step's tokens reach the host: append them and finish what is done. Requests
-        finished or aborted since the launch are skipped (their tokens are dropped). Returns the
-        requests that got a token."""
+        """When a step's tokens reach the host: append them (and their ``logprobs``, one per
+        sampler, for the requests that asked) and finish what is done. Requests finished or
+        aborted since the launch are skipped (their tokens are dropped). Returns the requests that
+        got a token."""
         got = []
-        for req, token in zip(samplers, tokens, strict=True):
+        for i, (req, token) in enumerate(zip(samplers, tokens, strict=True)):
             if req.finished:
                 continue
             req.num_inflight -= 1
             req.token_ids.append(token)
+            if req.output_logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
             got.append(req)
             if (reason := stop(req)) is not None:
                 self.finish(req, reason)

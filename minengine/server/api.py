@@ -22,8 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minengine import logprobs as logprob_format
 from minengine.engine import check_prompt, generation_room
-from minengine.sampling_params import SamplingParams
+from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
@@ -86,10 +87,11 @@ class _NullIsDefault(BaseModel):
         return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
 
 
-class StreamOptions(_NullIsDefault):
+class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; only false is accepted (checked in sampling_params)
+    # as vLLM: stream_options {} sends usage, {"include_usage": null} does not
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False  # vLLM's; only false is accepted (checked in sampling_params)
 
 
 class _Sampling(_NullIsDefault):
@@ -132,6 +134,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None  # as vLLM: extra variables for the chat template
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None  # with logprobs: the most likely tokens listed per token
 
 
 # --- state ------------------------------------------------------------------------------------
@@ -280,8 +283,11 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:
-    """``req``'s sampling parameters; ``max_tokens`` came from the field ``max_tokens_field``."""
+def sampling_params(
+    req: _Sampling, max_tokens: int | None, max_tokens_field: str = "max_tokens", logprobs: int | None = None
+) -> SamplingParams:
+    """``req``'s sampling parameters; ``max_tokens`` came from the field ``max_tokens_field``;
+    ``logprobs``: the top tokens to list per output token (None: no logprobs)."""
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n is {req.n}; allowed: 1..{MAX_N}", "n")
     if req.stream_options is not None and not req.stream:
@@ -302,6 +308,7 @@ def sampling_params(req: _Sampling, max_tokens: int | None, max_tokens_field: st
             ignore_eos=req.ignore_eos,
             n=req.n,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
@@ -451,11 +458,9 @@ def build_app(state: ServerState) -> FastAPI:
             _check_open(state, req.model)
             if req.echo:
                 raise APIError(400, "echo is not supported", "echo")
-            if req.logprobs is not None:
-                raise APIError(400, "logprobs is not supported", "logprobs")
             prompts = _completion_prompts(state.tokenizer, req.prompt)
             bootstrap = bootstrap_of(state, req, len(prompts))
-            params = sampling_params(req, req.max_tokens)
+            params = sampling_params(req, req.max_tokens, logprobs=req.logprobs)
             choices = _choices(state, prompts, params, bootstrap)
         return await _respond(state, raw, req, choices, chat=False)
 
@@ -464,8 +469,11 @@ def build_app(state: ServerState) -> FastAPI:
         req = await parse_body(raw, ChatCompletionRequest)
         with _peer_told(state, req):
             _check_open(state, req.model)
-            if req.logprobs:
-                raise APIError(400, "logprobs is not supported", "logprobs")
+            if req.top_logprobs is not None and not req.logprobs:
+                raise APIError(400, f"top_logprobs is {req.top_logprobs}; it needs logprobs: true", "top_logprobs")
+            if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                why = f"top_logprobs is {req.top_logprobs}; allowed: 0..{MAX_LOGPROBS}"
+                raise APIError(400, why, "top_logprobs")
             if not req.messages:
                 raise APIError(400, "messages is empty", "messages")
             text = chat_prompt(state.tokenizer, req)
@@ -480,7 +488,7 @@ def build_app(state: ServerState) -> FastAPI:
                     )
                 except ValueError as exc:
                     raise APIError(400, str(exc), "messages") from None
-            params = sampling_params(req, max_tokens, field_name)
+            params = sampling_params(req, max_tokens, field_name, (req.top_logprobs or 0) if req.logprobs else None)
             choices = _choices(state, [prompt_ids], params, bootstrap, "messages", field_name)
         return await _respond(state, raw, req, choices, chat=True)
 
@@ -526,6 +534,10 @@ def _choices(
 ) -> list[Choice]:
     """One choice per prompt and sequence; ``prompt_field`` / ``max_field``: the request's names for them."""
     n = params.n
+    if params.logprobs is not None and state.mode != "null":
+        # the prefill server samples the first token: the decode server never sees its logprobs
+        why = f"logprobs is requested on a {state.mode} server; with prefill/decode disaggregation, allowed: off"
+        raise APIError(400, why, "logprobs")
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(
             400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} sequences; allowed: at most {MAX_SEQUENCES}", "n"
@@ -606,6 +618,7 @@ def _joined(pieces: list[Piece]) -> Piece:
         pieces[-1].finish_reason,
         sum(p.cached_tokens for p in pieces),
         pieces[-1].stop_reason,
+        None if pieces[0].logprobs is None else [e for p in pieces for e in p.logprobs],
     )
 
 
@@ -624,6 +637,8 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
 
     state.enter()
     texts = [""] * len(choices)
+    token_ids: list[list[int]] = [[] for _ in choices]
+    entries: list[list] = [[] for _ in choices]
     reasons: list[str | None] = [None] * len(choices)
     stop_reasons: list[str | int | None] = [None] * len(choices)
     completion_tokens = cached = 0
@@ -632,6 +647,8 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
         nonlocal completion_tokens, cached
         async for index, piece in _pieces(state, choices):
             texts[index] += piece.text
+            token_ids[index] += piece.token_ids
+            entries[index] += piece.logprobs or ()
             completion_tokens += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
             if piece.finish_reason is not None:
@@ -651,7 +668,8 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
     body_choices = []
     for i, (t, r, sr) in enumerate(zip(texts, reasons, stop_reasons, strict=True)):
         output = {"message": {"role": "assistant", "content": t}} if chat else {"text": t}
-        body_choices.append({"index": i, **output, "logprobs": None, "finish_reason": r, "stop_reason": sr})
+        lps = _logprobs(state.tokenizer, choices[i], token_ids[i], entries[i], chat)
+        body_choices.append({"index": i, **output, "logprobs": lps, "finish_reason": r, "stop_reason": sr})
     return JSONResponse(
         {
             "id": rid,
@@ -662,6 +680,17 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
             "usage": usage(prompt_tokens, completion_tokens, cached),
         }
     )
+
+
+def _logprobs(
+    tokenizer: Tokenizer, choice: Choice, ids: list[int], entries: list, chat: bool, text_offset: int = 0
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` object for the tokens ``ids`` (None when it did not ask for them)."""
+    if choice.params.logprobs is None:
+        return None
+    if chat:
+        return {"content": logprob_format.chat(ids, entries, tokenizer)}
+    return logprob_format.completion(ids, entries, tokenizer, text_offset)
 
 
 async def _stream(
@@ -683,6 +712,10 @@ async def _stream(
 
     state.enter()
     completion_tokens = cached = 0
+    # logprobs of tokens not sent yet (a piece without text sends no chunk), and where each
+    # choice's next token starts in its text (the completions API's text_offset)
+    pending: list[tuple[list[int], list]] = [([], []) for _ in choices]
+    offsets = [0] * len(choices)
     try:
         if chat:  # the role comes first, once per choice
             for c in choices:
@@ -691,11 +724,18 @@ async def _stream(
         async for index, piece in _pieces(state, choices):
             completion_tokens += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
+            ids, entries = pending[index]
+            ids += piece.token_ids
+            entries += piece.logprobs or ()
             if not piece.text and piece.finish_reason is None:
                 continue
             output = {"delta": {"content": piece.text} if piece.text else {}} if chat else {"text": piece.text}
             reasons = {"finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
-            yield chunk([{"index": index, **output, "logprobs": None, **reasons}])
+            lps = _logprobs(state.tokenizer, choices[index], ids, entries, chat, offsets[index])
+            if lps is not None and ids and not chat:
+                offsets[index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+            pending[index] = ([], [])
+            yield chunk([{"index": index, **output, "logprobs": lps, **reasons}])
         if include_usage:
             yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
         yield "data: [DONE]\n\n"

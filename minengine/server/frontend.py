@@ -211,6 +211,7 @@ class Piece:
     # with finish_reason "stop", as vLLM reports it: the stop string or stop token id that ended
     # the output (None for an end-of-sequence token)
     stop_reason: str | int | None = None
+    logprobs: list | None = None  # one ``TokenLogprobs`` per token of ``token_ids``, when asked for
 
     @property
     def num_tokens(self) -> int:
@@ -252,6 +253,7 @@ async def generate(
             # the batch's updates in order, as if they came one by one; a stop string ends it at the
             # update that completes it (the scheduler went on: later tokens are not the output)
             now, ids, text, cached, reason = time.perf_counter(), [], "", 0, None
+            logprobs = [] if params.logprobs is not None else None
             for update in batch:
                 if update.new_token_ids:
                     metrics.generation_tokens.inc(len(update.new_token_ids))
@@ -262,6 +264,8 @@ async def generate(
                         metrics.itl.observe(now - last)  # 0 for the updates that were already waiting
                     last = now
                 ids += update.new_token_ids
+                if logprobs is not None and update.logprobs is not None:
+                    logprobs += update.logprobs
                 cached += update.cached_tokens
                 reason = update.finish_reason
                 if detok.stop:  # only stop strings need the text update by update
@@ -277,7 +281,7 @@ async def generate(
             last_id = ids[-1] if ids else last_id
             if reason is None:
                 if text or ids:
-                    yield Piece(text, ids, cached_tokens=cached)
+                    yield Piece(text, ids, cached_tokens=cached, logprobs=logprobs)
                 continue
             finished = True
             text += detok.finish()
@@ -289,7 +293,7 @@ async def generate(
             else:
                 metrics.request_success.labels(finished_reason=reason).inc()
                 metrics.e2e.observe(now - arrival)
-            yield Piece(text, ids, reason, cached, why)
+            yield Piece(text, ids, reason, cached, why, logprobs)
             return
     finally:
         if not finished:

@@ -1,0 +1,88 @@
+"""Output-token logprobs in the shapes users read them: vLLM's offline ``Logprob`` dicts, the
+completions API's ``logprobs`` object and the chat API's ``logprobs.content`` list.
+
+The engine hands out one ``TokenLogprobs`` per output token (``minengine.request``): the sampled
+token's logprob and rank, and the top-k tokens' ids and logprobs, most likely first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minengine.request import TokenLogprobs
+from minengine.tokenizer import Tokenizer
+
+# JSON has no -inf: the APIs report a token the model rules out with this floor (as vLLM)
+JSON_FLOOR = -9999.0
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's ``Logprob``: a token's log-probability, its rank in the vocabulary (1: the most
+    likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def offline(ids: list[int], entries: list[TokenLogprobs], tokenizer: Tokenizer) -> list[dict[int, Logprob]]:
+    """vLLM's ``CompletionOutput.logprobs``: per output token, {token id: Logprob}, the sampled
+    token first, then the top tokens (one entry when the sampled token is one of them)."""
+    out = []
+    for token, (lp, rank, top_ids, top_lps) in zip(ids, entries, strict=True):
+        step = {token: Logprob(lp, rank, tokenizer.token_text(token))}
+        for r, (t, v) in enumerate(zip(top_ids, top_lps, strict=True), start=1):
+            if t not in step:
+                step[t] = Logprob(v, r, tokenizer.token_text(t))
+        out.append(step)
+    return out
+
+
+def output_logprobs(
+    ids: list[int], entries: list[TokenLogprobs] | None, tokenizer: Tokenizer
+) -> tuple[list[dict[int, Logprob]] | None, float | None]:
+    """``CompletionOutput``'s (logprobs, cumulative_logprob): the ``offline`` dicts and the sampled
+    tokens' summed logprob; (None, None) for an output that did not ask for them."""
+    if entries is None:
+        return None, None
+    return offline(ids, entries, tokenizer), sum(e[0] for e in entries)
+
+
+def _floor(value: float) -> float:
+    return max(value, JSON_FLOOR)
+
+
+def completion(
+    ids: list[int], entries: list[TokenLogprobs], tokenizer: Tokenizer, text_offset: int = 0
+) -> dict[str, Any]:
+    """The completions API's ``logprobs`` for ``ids``: each token's text, logprob, {text: logprob}
+    of the sampled and the top tokens, and character offset (the first at ``text_offset``)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token, (lp, _, top_ids, top_lps) in zip(ids, entries, strict=True):
+        text = tokenizer.token_text(token)
+        tokens.append(text)
+        token_lps.append(_floor(lp))
+        top = {text: _floor(lp)}
+        for t, v in zip(top_ids, top_lps, strict=True):
+            top.setdefault(tokenizer.token_text(t), _floor(v))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat(ids: list[int], entries: list[TokenLogprobs], tokenizer: Tokenizer) -> list[dict[str, Any]]:
+    """The chat API's ``logprobs.content``: per token its text, logprob and UTF-8 bytes, and the
+    top tokens' (``top_logprobs`` of them, most likely first)."""
+
+    def item(token: int, lp: float) -> dict[str, Any]:
+        text = tokenizer.token_text(token)
+        return {"token": text, "logprob": _floor(lp), "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    content = []
+    for token, (lp, _, top_ids, top_lps) in zip(ids, entries, strict=True):
+        top = [item(t, v) for t, v in zip(top_ids, top_lps, strict=True)]
+        content.append({**item(token, lp), "top_logprobs": top})
+    return content

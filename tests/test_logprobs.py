@@ -1,0 +1,151 @@
+"""Output-token logprobs (``SamplingParams.logprobs``; the APIs' ``logprobs`` / ``top_logprobs``)
+against a float64 transformers reference, under scheduling shapes that split, preempt and overlap
+steps, offline and through the data-parallel workers' front end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from checkpoints import build_checkpoint
+
+from minengine import LLM, Logprob, SamplingParams
+from minengine.request import Request
+from minengine.runner import token_logprobs
+from minengine.scheduler.scheduler import Scheduler
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
+
+
+@torch.inference_mode()
+def reference(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V] float64 log-probabilities of each output position."""
+    ids = torch.tensor([prompt + output])
+    logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) + len(output) - 1]
+    return logits.log_softmax(-1)
+
+
+def check_output(out, ref: torch.Tensor, k: int, tokenizer) -> None:
+    assert len(out.logprobs) == len(out.token_ids) == ref.shape[0]
+    total = 0.0
+    for pos, (token, step) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = ref[pos]
+        first = next(iter(step))
+        assert first == token, "the sampled token comes first"
+        lp = step[token]
+        assert isinstance(lp, Logprob) and lp.decoded_token == tokenizer.token_text(token)
+        assert lp.logprob == pytest.approx(row[token].item(), abs=2e-4)
+        # its rank, up to near ties
+        better_lo = int((row > row[token] + 1e-4).sum())
+        better_hi = int((row > row[token] - 1e-4).sum())
+        assert better_lo + 1 <= lp.rank <= better_hi + 1
+        total += lp.logprob
+        # the top k (and the sampled token, when it is not one of them), at their ranks
+        values = row.sort(descending=True).values
+        others = {t: v for t, v in step.items() if t != token}
+        ranks = {v.rank for v in others.values()} | ({lp.rank} if lp.rank <= k else set())
+        assert ranks == set(range(1, k + 1)) and len(step) == k + (lp.rank > k)
+        for t, v in others.items():
+            assert v.logprob == pytest.approx(row[t].item(), abs=2e-4)
+            assert v.logprob == pytest.approx(values[v.rank - 1].item(), abs=2e-4)
+            assert v.decoded_token == tokenizer.token_text(t)
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-6)
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    rng = random.Random()
+    shared = [rng.randrange(4, vocab) for _ in range(23)]
+    return [shared + [rng.randrange(4, vocab) for _ in range(n)] for n in (1, 9, 30)] + [[rng.randrange(4, vocab)]]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(page_size=4),
+        dict(page_size=3, chunked_prefill_size=8, disable_overlap_schedule=True),
+        dict(page_size=4, max_total_tokens=72, chunked_prefill_size=16),  # preempts and recomputes
+        dict(page_size=4, dp_size=2),  # through the workers and the front end
+    ],
+    ids=["page4", "chunk8-no-overlap", "preempt", "dp2"],
+)
+def test_logprobs_match_a_float64_reference(checkpoint, hf_model, config):
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", **config)
+    try:
+        prompts = prompts_for(hf_model.config.vocab_size)
+        params = [
+            SamplingParams(max_tokens=12, temperature=0.9, seed=3, logprobs=K, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0, logprobs=K, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=1.0, top_k=5, logprobs=1, ignore_eos=True, n=2),
+            SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        ]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, p, o in zip(prompts, params, outs, strict=True):
+            for seq in o.outputs:
+                if p.logprobs is None:
+                    assert seq.logprobs is None and seq.cumulative_logprob is None
+                    continue
+                check_output(seq, reference(hf_model, prompt, seq.token_ids), p.logprobs, llm.tokenizer)
+        # raw logprobs: a greedy token is the most likely one
+        assert all(step[t].rank == 1 for t, step in zip(outs[1].token_ids, outs[1].outputs[0].logprobs, strict=True))
+        # asking for logprobs changes no token
+        again = llm.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True))
+        assert again[0].token_ids == outs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_logprobs_zero_lists_only_the_sampled_token():
+    llm = LLM("tiny", device="cpu")
+    try:
+        out = llm.generate("hello", SamplingParams(max_tokens=4, logprobs=0, seed=1), use_tqdm=False)[0].outputs[0]
+        assert [list(step) for step in out.logprobs] == [[t] for t in out.token_ids]
+        assert out.cumulative_logprob == pytest.approx(
+            sum(s[t].logprob for t, s in zip(out.token_ids, out.logprobs, strict=True))
+        )
+    finally:
+        llm.shutdown()
+
+
+def test_token_logprobs_kernel_on_ties_and_masked_tokens():
+    """Rank counts only strictly more likely tokens; a -inf logit gives -inf, not NaN."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, -float("inf")], [0.0, 0.0, 0.0, 0.0]])
+    tokens = torch.tensor([2, 3])
+    values, ids = token_logprobs(logits, tokens, torch.tensor([0, 1]), 2)
+    ref = logits.double().log_softmax(-1)
+    assert values[0, 0].item() == pytest.approx(ref[0, 2].item()) and ids[0, 0].item() == 1
+    assert ids[0, 1:].tolist() in ([1, 2], [2, 1])
+    assert values[1, 0].item() == pytest.approx(-torch.log(torch.tensor(4.0)).item()) and ids[1, 0].item() == 1
+    values, ids = token_logprobs(logits, torch.tensor([3, 0]), torch.tensor([0]), 0)
+    assert values.shape == (1, 1) and values[0, 0].item() == -float("inf") and ids[0, 0].item() == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 2.0, "3"])
+def test_bad_logprobs_are_refused(bad):
+    with pytest.raises(ValueError, match=r"logprobs is .*; allowed: None or an integer in \[0, 20\]"):
+        SamplingParams(logprobs=bad)
+
+
+def test_commit_keeps_logprobs_aligned_with_the_tokens_it_keeps():
+    """A request finished since the launch drops its token and its logprobs together."""
+    sched = Scheduler.__new__(Scheduler)
+    keep = Request(0, [1, 2], SamplingParams(logprobs=1), max_len=10, num_inflight=1)
+    gone = Request(1, [1, 2], SamplingParams(logprobs=1), max_len=10, num_inflight=1)
+    plain = Request(2, [1, 2], SamplingParams(), max_len=10, num_inflight=1)
+    gone.status = gone.status.FINISHED
+    entries = [(-0.5, 1, [7], [-0.5]), (-1.0, 2, [3], [-0.2]), None]
+    got = Scheduler.commit(sched, [keep, gone, plain], [7, 8, 9], lambda r: None, entries)
+    assert got == [keep, plain]
+    assert keep.output_logprobs == [entries[0]] and gone.output_logprobs == [] and plain.output_logprobs is None
