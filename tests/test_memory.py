@@ -179,3 +179,67 @@ def test_to_device_converts_exactly_or_refuses(numpy_wraps_int32, monkeypatch):
     with pytest.raises(OverflowError, match="2147483648"):  # names the value
         to_device(iter([2**31]), torch.int32, cpu, count=1)
     assert to_device([-(2**31), 2**31 - 1], torch.int32, cpu).tolist() == [-(2**31), 2**31 - 1]
+
+
+def test_common_pages_equals_a_page_by_page_scan():
+    rng = random.Random()
+    for _ in range(2000):
+        ps = rng.choice([1, 2, 3, 16])
+        key = [rng.randrange(2) for _ in range(ps * rng.randrange(1, 9))]
+        tokens = [rng.randrange(2) for _ in range(rng.randrange(3))] + key[: rng.randrange(len(key) + 1)]
+        tokens += [rng.randrange(2) for _ in range(rng.randrange(2 * ps))]
+        start = rng.randrange(len(tokens) + 1)
+        end = rng.randrange(start, len(tokens) + 1)
+        n = 0
+        while (n + 1) * ps <= len(key) and start + (n + 1) * ps <= end:
+            if key[n * ps : (n + 1) * ps] != tokens[start + n * ps : start + (n + 1) * ps]:
+                break
+            n += 1
+        cache, _ = make_cache(page_size=ps, num_pages=1)
+        assert cache._common_pages(key, tokens, start, end) == n, (ps, key, tokens, start, end)
+
+
+def test_insert_below_a_locked_match_equals_insert_from_the_root():
+    """Chunk by chunk from the request's match, as the scheduler caches a prompt: the same tree,
+    the same answers and the same pages as inserting each prefix from the root and matching it."""
+    rng = random.Random()
+    for _ in range(60):
+        ps = rng.choice([1, 2, 4])
+        trees = [make_cache(page_size=ps, num_pages=4000) for _ in range(2)]
+        for _ in range(8):
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 40))]
+            chunks = [rng.randrange(1, 9) for _ in range(len(tokens))]
+            answers = []
+            for below_first, (cache, alloc) in zip((True, False), trees, strict=True):
+                held, node = cache.match_prefix(tokens)
+                cache.lock(node)
+                pages = list(held) + alloc.alloc(len(tokens) // ps - len(held))
+                cached = len(held)
+                end, steps = cached * ps, []
+                for chunk in chunks:
+                    if end >= len(tokens):
+                        break
+                    end = min(len(tokens), end + chunk)
+                    full = end // ps
+                    if below_first:
+                        already, got, below = cache.insert_below(node, cached * ps, tokens, pages[:full])
+                    else:
+                        already = cache.insert(tokens[: full * ps], pages[:full])
+                        got, below = cache.match_prefix(tokens[: full * ps])
+                        got = got[cached:]
+                    alloc.free(pages[cached : already // ps])
+                    pages[cached:full] = got
+                    cache.lock(below)
+                    cache.unlock(node)
+                    node, cached = below, full
+                    steps.append((already, full))
+                got_all, _ = cache.match_prefix(tokens)
+                assert pages == got_all  # the request's pages are the cache's
+                answers.append(steps)
+                cache.unlock(node)
+            assert answers[0] == answers[1]
+        shapes = []
+        for cache, alloc in trees:
+            shapes.append(sorted((tuple(n.key), len(n.pages)) for n in cache._nodes()))
+            assert alloc.num_free + cache.total_pages == 4000 and cache.protected_pages == 0
+        assert shapes[0] == shapes[1]

@@ -54,7 +54,7 @@ class RadixCache:
             child = node.children.get(tuple(tokens[i : i + ps]))
             if child is None:
                 break
-            n = self._common_pages(child.key, tokens, i)
+            n = self._common_pages(child.key, tokens, i, len(tokens))
             if n < len(child.pages):
                 child = self._split(child, n)
             child.last_access = next(_clock)
@@ -66,9 +66,22 @@ class RadixCache:
     def insert(self, tokens: list[int], pages: list[int]) -> int:
         """Cache the full pages of ``tokens`` (KV in ``pages``); returns how many tokens were cached
         already: the caller's pages for them are duplicates, and stay the caller's to free."""
+        return self.insert_below(self.root, 0, tokens, pages)[0]
+
+    def insert_below(self, node: Node, start: int, tokens: list[int], pages: list[int]) -> tuple[int, list[int], Node]:
+        """``insert`` resumed at ``node``, whose path from the root caches ``tokens[:start]`` (a
+        match the caller holds locked): only the tokens after ``start`` are compared, so caching a
+        long prompt chunk by chunk costs its length once, not once per chunk. ``pages`` holds the
+        KV of every token from 0. Returns (tokens cached already, the cache's pages for the full
+        pages after ``start``, the node their path ends at)."""
         ps = self.page_size
         n_tokens = min(len(tokens) // ps, len(pages)) * ps
-        node, i = self.root, 0
+        i, path = start, []
+        stamp = next(_clock)
+        up = node
+        while up is not None:  # the path to node is used again: as a match from the root would
+            up.last_access = stamp
+            up = up.parent
         while i < n_tokens:
             child = node.children.get(tuple(tokens[i : i + ps]))
             if child is None:
@@ -76,14 +89,15 @@ class RadixCache:
                 node.children[tuple(tokens[i : i + ps])] = leaf
                 self.total_pages += len(leaf.pages)
                 self.version += 1
-                return i
-            n = self._common_pages(child.key, tokens[:n_tokens], i)
+                return i, path + leaf.pages, leaf
+            n = self._common_pages(child.key, tokens, i, n_tokens)
             if n < len(child.pages):
                 child = self._split(child, n)
             child.last_access = next(_clock)
+            path += child.pages
             i += n * ps
             node = child
-        return i
+        return i, path, node
 
     def lock(self, node: Node) -> None:
         while node is not None:
@@ -122,13 +136,22 @@ class RadixCache:
             raise RuntimeError(f"cannot reset: {self.protected_pages} cached pages are locked")
         self.evict(self.total_pages)
 
-    def _common_pages(self, key: list[int], tokens: list[int], start: int) -> int:
-        ps, n = self.page_size, 0
-        while (n + 1) * ps <= len(key) and start + (n + 1) * ps <= len(tokens):
-            if key[n * ps : (n + 1) * ps] != tokens[start + n * ps : start + (n + 1) * ps]:
-                break
-            n += 1
-        return n
+    def _common_pages(self, key: list[int], tokens: list[int], start: int, end: int) -> int:
+        """Whole pages at the start of ``key`` equal to ``tokens[start:end]``'s. List comparisons,
+        not a loop per page: one for a run that matches whole (the usual case), else a halving
+        search for the first page that differs."""
+        ps = self.page_size
+        hi = min(len(key), (end - start) // ps * ps) // ps  # pages both have
+        if key[: hi * ps] == tokens[start : start + hi * ps]:
+            return hi
+        lo = 0  # the first lo pages are equal; the first hi are not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if key[lo * ps : mid * ps] == tokens[start + lo * ps : start + mid * ps]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _split(self, node: Node, n_pages: int) -> Node:
         """Cut ``node`` after ``n_pages`` pages; returns the new upper part."""

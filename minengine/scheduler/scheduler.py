@@ -290,16 +290,16 @@ class Scheduler:
         full = req.num_computed // self.page_size
         if full <= req.cached_pages:
             return
-        tokens = req.token_ids[: full * self.page_size]
-        cached = req.cached_pages
-        already = self.cache.insert(tokens, req.pages[:full]) // self.page_size
+        cached, ps = req.cached_pages, self.page_size
+        # from the request's locked match on: the tokens before it are not compared again
+        already, pages, node = self.cache.insert_below(req.node, cached * ps, req.token_ids, req.pages[:full])
+        already //= ps
         self.allocator.free(req.pages[cached:already])  # duplicates of cached pages
-        pages, node = self.cache.match_prefix(tokens)
         self.cache.lock(node)
         self.cache.unlock(req.node)
-        req.pages[:full], req.cached_pages, req.node = pages, full, node
+        req.pages[cached:full], req.cached_pages, req.node = pages, full, node
         if already > cached:  # only the duplicates' ids changed: the cache's pages replace them
-            self.page_table.write(req.slot, cached, pages[cached:already])
+            self.page_table.write(req.slot, cached, pages[: already - cached])
 
     def _preempt(self, req: Request) -> None:
         """Drop a running request's KV (its full pages go to the prefix cache) and queue it first;
@@ -340,7 +340,9 @@ class Scheduler:
             # KV exists (or is being written by a launched step) for every token the host knows
             computed = min(req.num_computed, len(req.token_ids))
             full = computed // self.page_size
-            already = self.cache.insert(req.token_ids[:computed], req.pages[:full]) // self.page_size
+            tokens, pages = req.token_ids[:computed], req.pages[:full]
+            already = self.cache.insert_below(req.node, req.cached_pages * self.page_size, tokens, pages)[0]
+            already //= self.page_size
             self.allocator.free(req.pages[req.cached_pages : already] + req.pages[full:])
             self.cache.unlock(req.node)
         else:
