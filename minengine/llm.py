@@ -48,6 +48,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (its first sequence's), as vLLM
 
     @property
     def text(self) -> str:
@@ -128,10 +129,12 @@ class LLM:
                 results = iter(self._workers.generate(seq_ids, seq_params, bar))
             else:
                 results = iter(self._generate_here(seq_ids, seq_params, bar))
-        return [
-            RequestOutput(i, text, p_ids, [CompletionOutput(j, *next(results)) for j in range(p.n)])
-            for i, (text, p_ids, p) in enumerate(zip(texts, ids, params, strict=True))
-        ]
+        outputs = []
+        for i, (text, p_ids, p) in enumerate(zip(texts, ids, params, strict=True)):
+            seqs = [next(results) for _ in range(p.n)]  # (CompletionOutput fields..., cached tokens)
+            completions = [CompletionOutput(j, *seq[:-1]) for j, seq in enumerate(seqs)]
+            outputs.append(RequestOutput(i, text, p_ids, completions, num_cached_tokens=seqs[0][-1]))
+        return outputs
 
     def chat(
         self,
@@ -178,7 +181,7 @@ class LLM:
             last = r.output_ids[-1] if r.output_ids else None
             why = stop_reason(r.finish_reason, r.detok, last, r.params.stop_token_ids)
             logprobs = output_logprobs(r.output_ids, r.output_logprobs, self.tokenizer)
-            results.append((r.text, r.output_ids, r.finish_reason, why, *logprobs))
+            results.append((r.text, r.output_ids, r.finish_reason, why, *logprobs, r.cached_tokens))
         return results
 
     def shutdown(self) -> None:
@@ -230,17 +233,18 @@ class _Workers:
         from minengine.server.frontend import generate
 
         async def one(prompt_ids: list[int], p: SamplingParams) -> tuple:
-            tokens, text, reason, stop_reason = [], "", "abort", None
+            tokens, text, reason, stop_reason, cached = [], "", "abort", None, 0
             entries = [] if p.logprobs is not None else None
             pieces = generate(self.workers.client, self.tokenizer, self.metrics, uuid.uuid4().hex, prompt_ids, p)
             async for piece in pieces:
                 tokens += piece.token_ids
                 text += piece.text
                 reason, stop_reason = piece.finish_reason or reason, piece.stop_reason
+                cached += piece.cached_tokens
                 if entries is not None:
                     entries += piece.logprobs
             bar.update(1)
-            return text, tokens, reason, stop_reason, *output_logprobs(tokens, entries, self.tokenizer)
+            return text, tokens, reason, stop_reason, *output_logprobs(tokens, entries, self.tokenizer), cached
 
         async def run_all():
             return await asyncio.gather(*(one(i, p) for i, p in zip(ids, params, strict=True)))

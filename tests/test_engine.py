@@ -265,6 +265,24 @@ def test_n_sequences_per_prompt(llm):
         llm.engine.add_request([1, 2], SamplingParams(n=2))
 
 
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_num_cached_tokens_counts_the_prompt_pages_the_prefix_cache_served(llm, dp_size):
+    """vLLM's ``RequestOutput.num_cached_tokens``; with n sequences, its first one's."""
+    prompt = [9 + i % 200 for i in range(41)]  # 10 full pages of 4, and one token
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    here = llm if dp_size == 1 else LLM("tiny", page_size=4, max_total_tokens=4096, dp_size=2)
+    try:
+        # round-robin over the workers: each worker sees the prompt once before it is a hit
+        first = [here.generate([prompt], params, use_tqdm=False)[0] for _ in range(dp_size)]
+        again = here.generate([prompt], params, use_tqdm=False)[0]
+        both = here.generate([prompt], replace(params, n=2), use_tqdm=False)[0]
+    finally:
+        if here is not llm:
+            here.shutdown()
+    assert [o.num_cached_tokens for o in first] == [0] * dp_size
+    assert again.num_cached_tokens == 40 and both.num_cached_tokens == 40
+
+
 def test_text_is_decoded_once_without_stop_strings(llm):
     """Without stop strings the engine decodes a request's output once, when it ends; with one, token
     by token. Either way the text is the decode of the output."""
