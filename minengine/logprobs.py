@@ -51,7 +51,9 @@ def output_logprobs(
 
 
 def _floor(value: float) -> float:
-    return max(value, JSON_FLOOR)
+    """The value as JSON can carry it: -inf (and NaN, from a model whose logits overflowed) as
+    the floor; JSON has neither."""
+    return value if value >= JSON_FLOOR else JSON_FLOOR
 
 
 def completion(

@@ -134,7 +134,8 @@ class ModelRunner:
         if asked:
             with step_range("logprobs"):
                 k = max(samplers[i].params.logprobs for i in asked)
-                values, ids = token_logprobs(logits, tokens, to_device(asked, torch.int64, self.device), k)
+                rows = None if len(asked) == len(samplers) else to_device(asked, torch.int64, self.device)
+                values, ids = token_logprobs(logits, tokens, rows, k)
         if self.device.type != "cuda":
             # a graph's output is overwritten by the next step, launched before this one is read
             step = Launched(samplers, tokens if greedy is None else tokens.clone(), None)
@@ -164,15 +165,17 @@ class ModelRunner:
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, k: int
+    logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For ``rows`` of ``logits`` [S, V] and their sampled ``tokens`` [S]: ([R, 1 + k] float32: the
-    sampled token's log-probability, then the k most likely tokens'; [R, 1 + k] int64: the sampled
-    token's rank in the vocabulary (1: the most likely), then the k tokens' ids). Raw logprobs, as
-    vLLM's default: the model's distribution before temperature and filters."""
-    logp = logits.index_select(0, rows).float().log_softmax(-1)
-    sampled = logp.gather(1, tokens.index_select(0, rows)[:, None])
-    rank = (logp > sampled).sum(-1, keepdim=True) + 1  # ties share the better rank
+    """For ``rows`` of ``logits`` [S, V] (None: all) and their sampled ``tokens`` [S]: ([R, 1 + k]
+    float32: the sampled token's log-probability, then the k most likely tokens'; [R, 1 + k] int64:
+    the sampled token's rank in the vocabulary (1: the most likely), then the k tokens' ids). Raw
+    logprobs, as vLLM's default: the model's distribution before temperature and filters."""
+    if rows is not None:
+        logits, tokens = logits.index_select(0, rows), tokens.index_select(0, rows)
+    logp = logits.float().log_softmax(-1)
+    sampled = logp.gather(1, tokens[:, None])
+    rank = (logp >= sampled).sum(-1, keepdim=True)  # as vLLM: tokens tied with it count before it
     top = logp.topk(k, -1) if k else (logp[:, :0], rank[:, :0])
     return torch.cat([sampled, top[0]], 1), torch.cat([rank, top[1]], 1)
 

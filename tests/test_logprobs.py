@@ -49,9 +49,7 @@ def check_output(out, ref: torch.Tensor, k: int, tokenizer) -> None:
         assert isinstance(lp, Logprob) and lp.decoded_token == tokenizer.token_text(token)
         assert lp.logprob == pytest.approx(row[token].item(), abs=2e-4)
         # its rank, up to near ties
-        better_lo = int((row > row[token] + 1e-4).sum())
-        better_hi = int((row > row[token] - 1e-4).sum())
-        assert better_lo + 1 <= lp.rank <= better_hi + 1
+        assert int((row > row[token] + 1e-4).sum()) + 1 <= lp.rank <= int((row >= row[token] - 1e-4).sum())
         total += lp.logprob
         # the top k (and the sampled token, when it is not one of them), at their ranks
         values = row.sort(descending=True).values
@@ -120,14 +118,17 @@ def test_logprobs_zero_lists_only_the_sampled_token():
 
 
 def test_token_logprobs_kernel_on_ties_and_masked_tokens():
-    """Rank counts only strictly more likely tokens; a -inf logit gives -inf, not NaN."""
+    """As vLLM, a token's rank counts the tokens at least as likely (itself included); a -inf logit
+    gives -inf, not NaN."""
     logits = torch.tensor([[1.0, 3.0, 3.0, -float("inf")], [0.0, 0.0, 0.0, 0.0]])
     tokens = torch.tensor([2, 3])
     values, ids = token_logprobs(logits, tokens, torch.tensor([0, 1]), 2)
     ref = logits.double().log_softmax(-1)
-    assert values[0, 0].item() == pytest.approx(ref[0, 2].item()) and ids[0, 0].item() == 1
+    assert values[0, 0].item() == pytest.approx(ref[0, 2].item()) and ids[0, 0].item() == 2
     assert ids[0, 1:].tolist() in ([1, 2], [2, 1])
-    assert values[1, 0].item() == pytest.approx(-torch.log(torch.tensor(4.0)).item()) and ids[1, 0].item() == 1
+    assert values[1, 0].item() == pytest.approx(-torch.log(torch.tensor(4.0)).item()) and ids[1, 0].item() == 4
+    whole = token_logprobs(logits, tokens, None, 2)  # every row: no copy of the rows
+    assert torch.equal(whole[0], token_logprobs(logits, tokens, torch.tensor([0, 1]), 2)[0])
     values, ids = token_logprobs(logits, torch.tensor([3, 0]), torch.tensor([0]), 0)
     assert values.shape == (1, 1) and values[0, 0].item() == -float("inf") and ids[0, 0].item() == 4
 
@@ -149,3 +150,36 @@ def test_commit_keeps_logprobs_aligned_with_the_tokens_it_keeps():
     got = Scheduler.commit(sched, [keep, gone, plain], [7, 8, 9], lambda r: None, entries)
     assert got == [keep, plain]
     assert keep.output_logprobs == [entries[0]] and gone.output_logprobs == [] and plain.output_logprobs is None
+
+
+def test_a_scheduler_process_sends_each_logprob_once_and_keeps_none():
+    """The server's scheduler hands each token's logprobs to the front end with the token and
+    drops them (the front end keeps what the response needs), so a long request holds no list."""
+    from minengine.server.scheduler_process import engine_updates
+
+    llm = LLM("tiny", device="cpu")
+    try:
+        engine = llm.engine
+        live = {"r": engine.add_request([5, 6, 7], SamplingParams(max_tokens=9, logprobs=2, ignore_eos=True))}
+        req, sent = live["r"], []
+        while live:
+            for update in engine_updates(engine, live):
+                assert len(update.logprobs) == len(update.new_token_ids) == 1
+                sent += update.logprobs
+            assert req.output_logprobs == []
+        assert len(sent) == 9 and all(len(e[2]) == 2 for e in sent)
+    finally:
+        llm.shutdown()
+
+
+def test_json_shapes_floor_what_json_cannot_carry():
+    """-inf (a token the model rules out) and NaN (logits that overflowed) become vLLM's -9999.0."""
+    from minengine import logprobs as fmt
+    from minengine.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    entries = [(float("nan"), 1, [10], [float("-inf")])]
+    out = fmt.completion([10], entries, tok)
+    assert out["token_logprobs"] == [-9999.0] and list(out["top_logprobs"][0].values()) == [-9999.0]
+    chat = fmt.chat([10], entries, tok)
+    assert chat[0]["logprob"] == -9999.0 and chat[0]["top_logprobs"][0]["logprob"] == -9999.0

@@ -886,7 +886,8 @@ def test_chat_logprobs_and_top_logprobs(client):
         ("completions", {"logprobs": 21}, "logprobs", "logprobs is 21; allowed: None or an integer in [0, 20]"),
         ("completions", {"logprobs": -1}, "logprobs", "logprobs is -1; allowed"),
         ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs is 2; it needs logprobs: true"),
-        ("chat/completions", {"logprobs": False, "top_logprobs": 0}, "top_logprobs", "needs logprobs: true"),
+        ("chat/completions", {"logprobs": False, "top_logprobs": 1}, "top_logprobs", "needs logprobs: true"),
+        ("completions", {"logprobs": 1, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "does not"),
         (
             "chat/completions",
             {"logprobs": True, "top_logprobs": 21},

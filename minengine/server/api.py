@@ -252,6 +252,7 @@ _UNSUPPORTED = {
     "suffix": ("",),
     "top_logprobs": (0,),
     "prompt_logprobs": (0,),
+    "return_tokens_as_token_ids": (False,),
     "response_format": ({"type": "text"},),
     "guided_json": (),
     "guided_regex": (),
@@ -469,7 +470,7 @@ def build_app(state: ServerState) -> FastAPI:
         req = await parse_body(raw, ChatCompletionRequest)
         with _peer_told(state, req):
             _check_open(state, req.model)
-            if req.top_logprobs is not None and not req.logprobs:
+            if req.top_logprobs and not req.logprobs:  # as vLLM: 0 without logprobs is no request
                 raise APIError(400, f"top_logprobs is {req.top_logprobs}; it needs logprobs: true", "top_logprobs")
             if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
                 why = f"top_logprobs is {req.top_logprobs}; allowed: 0..{MAX_LOGPROBS}"

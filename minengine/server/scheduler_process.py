@@ -207,7 +207,9 @@ def engine_updates(engine: Engine, live: dict[str, Request]) -> list[TokenUpdate
         rid = rids[id(req)]
         first = len(req.token_ids) == len(req.prompt_ids) + 1  # its first output token
         cached = req.cached_tokens if first else 0
-        logprobs = None if req.output_logprobs is None else req.output_logprobs[-1:]
+        logprobs = None
+        if req.output_logprobs is not None:  # sent once: the front end keeps them, not the scheduler
+            logprobs, req.output_logprobs = req.output_logprobs, []
         updates.append(new_record(TokenUpdate, (rid, [req.token_ids[-1]], req.finish_reason, cached, None, logprobs)))
         if req.finished:
             del live[rid]
