@@ -199,9 +199,14 @@ class Engine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request is malformed or can never fit."""
-        if params.logprobs is not None and self.config.disaggregation_mode != "null":
+        if self.config.disaggregation_mode != "null":
             # the prefill server samples the first token: the decode server never sees its logprobs
-            raise ValueError(f"logprobs is {params.logprobs}; with prefill/decode disaggregation allowed: None")
+            # (and a prefill server hands on no prompt logprobs)
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(params, name) is not None:
+                    raise ValueError(
+                        f"{name} is {getattr(params, name)}; with prefill/decode disaggregation allowed: None"
+                    )
         params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
         check_prompt(prompt_ids, params, self.model_config.vocab_size, self.context_length, self.kv_capacity_tokens)
 
@@ -247,9 +252,9 @@ class Engine:
         launched = None
         if batch:
             with step_range("h2d"):
-                fb, samplers = self.runner.prepare(batch)
+                fb, samplers, prompt = self.runner.prepare(batch)
             self.scheduler.advance(batch)
-            launched = self.runner.launch(fb, samplers)
+            launched = self.runner.launch(fb, samplers, prompt)
             launched.kv = [(req, req.num_computed) for req, _ in batch]
         if not self.overlap:
             self._in_flight, launched = launched, None
@@ -261,6 +266,9 @@ class Engine:
 
     def _commit(self, step: Launched) -> list[Request]:
         tokens, logprobs = self.runner.resolve(step)
+        for req, first, entries in self.runner.resolve_prompt(step):
+            if not req.finished:  # (an aborted request's are dropped)
+                req.add_prompt_logprobs(first, entries)
         return self.scheduler.commit(step.samplers, tokens, self.stop_reason, logprobs)
 
     def in_flight_event(self):

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from minengine.config import EngineConfig
 from minengine.detokenizer import stop_reason
 from minengine.engine import Engine, check_prompt, resolve_max_tokens
-from minengine.logprobs import Logprob, output_logprobs
+from minengine.logprobs import Logprob, output_logprobs, prompt_offline
 from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
 
@@ -49,6 +49,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (its first sequence's), as vLLM
+    # with SamplingParams.prompt_logprobs, as in vLLM: None for the first prompt token, then per
+    # prompt token {token id: Logprob} (the prompt token, then the top ones); None otherwise
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -131,9 +134,11 @@ class LLM:
                 results = iter(self._generate_here(seq_ids, seq_params, bar))
         outputs = []
         for i, (text, p_ids, p) in enumerate(zip(texts, ids, params, strict=True)):
-            seqs = [next(results) for _ in range(p.n)]  # (CompletionOutput fields..., cached tokens)
-            completions = [CompletionOutput(j, *seq[:-1]) for j, seq in enumerate(seqs)]
-            outputs.append(RequestOutput(i, text, p_ids, completions, num_cached_tokens=seqs[0][-1]))
+            # (CompletionOutput fields..., cached tokens, prompt logprobs)
+            seqs = [next(results) for _ in range(p.n)]
+            completions = [CompletionOutput(j, *seq[:-2]) for j, seq in enumerate(seqs)]
+            prompt_lps = prompt_offline(p_ids, seqs[0][-1], self.tokenizer)
+            outputs.append(RequestOutput(i, text, p_ids, completions, True, seqs[0][-2], prompt_lps))
         return outputs
 
     def chat(
@@ -181,7 +186,7 @@ class LLM:
             last = r.output_ids[-1] if r.output_ids else None
             why = stop_reason(r.finish_reason, r.detok, last, r.params.stop_token_ids)
             logprobs = output_logprobs(r.output_ids, r.output_logprobs, self.tokenizer)
-            results.append((r.text, r.output_ids, r.finish_reason, why, *logprobs, r.cached_tokens))
+            results.append((r.text, r.output_ids, r.finish_reason, why, *logprobs, r.cached_tokens, r.prompt_logprobs))
         return results
 
     def shutdown(self) -> None:
@@ -233,7 +238,7 @@ class _Workers:
         from minengine.server.frontend import generate
 
         async def one(prompt_ids: list[int], p: SamplingParams) -> tuple:
-            tokens, text, reason, stop_reason, cached = [], "", "abort", None, 0
+            tokens, text, reason, stop_reason, cached, prompt_entries = [], "", "abort", None, 0, None
             entries = [] if p.logprobs is not None else None
             pieces = generate(self.workers.client, self.tokenizer, self.metrics, uuid.uuid4().hex, prompt_ids, p)
             async for piece in pieces:
@@ -241,10 +246,13 @@ class _Workers:
                 text += piece.text
                 reason, stop_reason = piece.finish_reason or reason, piece.stop_reason
                 cached += piece.cached_tokens
+                if piece.prompt_logprobs is not None:  # (with the first piece)
+                    prompt_entries = piece.prompt_logprobs
                 if entries is not None:
                     entries += piece.logprobs
             bar.update(1)
-            return text, tokens, reason, stop_reason, *output_logprobs(tokens, entries, self.tokenizer), cached
+            logprobs = output_logprobs(tokens, entries, self.tokenizer)
+            return text, tokens, reason, stop_reason, *logprobs, cached, prompt_entries
 
         async def run_all():
             return await asyncio.gather(*(one(i, p) for i, p in zip(ids, params, strict=True)))

@@ -1,8 +1,10 @@
-"""Output-token logprobs in the shapes users read them: vLLM's offline ``Logprob`` dicts, the
-completions API's ``logprobs`` object and the chat API's ``logprobs.content`` list.
+"""Output- and prompt-token logprobs in the shapes users read them: vLLM's offline ``Logprob``
+dicts, the completions API's ``logprobs`` object (with ``echo``, the prompt's tokens first), the
+chat API's ``logprobs.content`` list, and vLLM's ``prompt_logprobs``.
 
-The engine hands out one ``TokenLogprobs`` per output token (``minengine.request``): the sampled
-token's logprob and rank, and the top-k tokens' ids and logprobs, most likely first.
+The engine hands out one ``TokenLogprobs`` per output token, and per prompt token from the second
+on (``minengine.request``): the token's logprob and rank, and the top-k tokens' ids and
+logprobs, most likely first.
 """
 
 from __future__ import annotations
@@ -50,6 +52,25 @@ def output_logprobs(
     return offline(ids, entries, tokenizer), sum(e[0] for e in entries)
 
 
+def prompt_offline(
+    prompt_ids: list[int], entries: list[TokenLogprobs] | None, tokenizer: Tokenizer
+) -> list[dict[int, Logprob] | None] | None:
+    """vLLM's ``RequestOutput.prompt_logprobs``: None for the first prompt token (nothing comes
+    before it), then ``offline``'s dict per prompt token; None when the request did not ask."""
+    if entries is None:
+        return None
+    return [None, *offline(prompt_ids[1:], entries, tokenizer)]
+
+
+def prompt_json(prompt_ids: list[int], entries: list[TokenLogprobs], tokenizer: Tokenizer) -> list[dict | None]:
+    """The APIs' ``prompt_logprobs`` (vLLM's): ``prompt_offline`` as JSON, each {token id:
+    {"logprob", "rank", "decoded_token"}}, floored as JSON needs."""
+    return [
+        None if step is None else {t: {**vars(lp), "logprob": _floor(lp.logprob)} for t, lp in step.items()}
+        for step in prompt_offline(prompt_ids, entries, tokenizer)
+    ]
+
+
 def _floor(value: float) -> float:
     """The value as JSON can carry it: -inf (and NaN, from a model whose logits overflowed) as
     the floor; JSON has neither."""
@@ -57,19 +78,25 @@ def _floor(value: float) -> float:
 
 
 def completion(
-    ids: list[int], entries: list[TokenLogprobs], tokenizer: Tokenizer, text_offset: int = 0
+    ids: list[int], entries: list[TokenLogprobs | None], tokenizer: Tokenizer, text_offset: int = 0
 ) -> dict[str, Any]:
     """The completions API's ``logprobs`` for ``ids``: each token's text, logprob, {text: logprob}
-    of the sampled and the top tokens, and character offset (the first at ``text_offset``)."""
+    of the sampled and the top tokens, and character offset (the first at ``text_offset``). An
+    entry None (an echoed prompt's first token) has null logprobs, as in vLLM."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for token, (lp, _, top_ids, top_lps) in zip(ids, entries, strict=True):
+    for token, entry in zip(ids, entries, strict=True):
         text = tokenizer.token_text(token)
         tokens.append(text)
-        token_lps.append(_floor(lp))
-        top = {text: _floor(lp)}
-        for t, v in zip(top_ids, top_lps, strict=True):
-            top.setdefault(tokenizer.token_text(t), _floor(v))
-        tops.append(top)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            lp, _, top_ids, top_lps = entry
+            token_lps.append(_floor(lp))
+            top = {text: _floor(lp)}
+            for t, v in zip(top_ids, top_lps, strict=True):
+                top.setdefault(tokenizer.token_text(t), _floor(v))
+            tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

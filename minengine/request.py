@@ -44,6 +44,10 @@ class Request:
     prefill_len: int = 0  # tokens its prefill computes: the prompt, or every known token once preempted
     num_preemptions: int = 0  # times its KV was dropped to make room (it resumes by recomputing)
     output_logprobs: list[TokenLogprobs] | None = None  # one per output token, when params.logprobs is set
+    # with params.prompt_logprobs: one per prompt token from the second on, in order; the server's
+    # scheduler hands them on (and empties the list) when the first output token comes
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_prompt_logprobs: int = 0  # prompt tokens from the second on whose logprobs have arrived
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -51,6 +55,8 @@ class Request:
         self.prefill_len = self.prefill_len or len(self.prompt_ids)
         if self.params.logprobs is not None and self.output_logprobs is None:
             self.output_logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
 
     @property
     def output_ids(self) -> list[int]:
@@ -78,6 +84,21 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt + generated tokens, counting those sampled on the device but not read yet."""
         return len(self.token_ids) + self.num_inflight
+
+    @property
+    def scores_prompt(self) -> bool:
+        """It still needs logprobs of prompt tokens: its prefill computes every prompt position (it
+        reads no KV from the prefix cache)."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs < len(self.prompt_ids) - 1
+
+    def add_prompt_logprobs(self, first: int, entries: list[TokenLogprobs]) -> None:
+        """Logprobs of prompt tokens ``first + 1``... from a step's results. A prefill recomputed
+        after a preemption scores again positions whose results were already in flight: those are
+        kept once."""
+        assert first <= self.num_prompt_logprobs, "prompt logprobs arrive in order"
+        new = entries[self.num_prompt_logprobs - first :]
+        self.prompt_logprobs += new
+        self.num_prompt_logprobs += len(new)
 
     @property
     def prefilling(self) -> bool:

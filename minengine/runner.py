@@ -38,6 +38,18 @@ class Launched:
     # [rows, 1 + k] float32 (the sampled token's logprob, then the top k's) and int64 (its rank,
     # then the top k's ids), k the largest number asked for
     logprobs: tuple[list[int], torch.Tensor, torch.Tensor] | None = None
+    # prompt logprobs, laid out as ``logprobs`` (one row per scored prompt token): each span's
+    # (request, its first prompt position, rows), and the two host tensors
+    prompt_logprobs: tuple[list[tuple[Request, int, int]], torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class PromptRows:
+    """The prompt positions a step scores (``SamplingParams.prompt_logprobs``): their rows follow
+    the samplers' in ``logits_indices``; ``targets``: the prompt token each row predicts."""
+
+    spans: list[tuple[Request, int, int]]  # (request, first position, count), in row order
+    targets: torch.Tensor  # [R] int64, on the device
 
 
 class ModelRunner:
@@ -56,12 +68,14 @@ class ModelRunner:
         self.token_buffer = torch.zeros(max_requests, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphs | None = None  # set by the engine on CUDA
 
-    def prepare(self, batch: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
-        """Device inputs of a batch (prefill chunks first, then decodes), and the requests whose
-        next token it samples. Reads the requests as scheduled, before the step advances them."""
+    def prepare(self, batch: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request], PromptRows | None]:
+        """Device inputs of a batch (prefill chunks first, then decodes), the requests whose next
+        token it samples, and the prompt positions it scores (None: none). Reads the requests as
+        scheduled, before the step advances them."""
         ps = self.pool.page_size
         prefill_ids, positions, slots, seq_lens, cu, rows = [], [], [], [], [0], []
         logits_rows, samplers = [], []
+        prompt_rows, targets, spans = [], [], []
         num_prefills, max_q = 0, 1
         for req, n in batch:
             if not req.prefilling:
@@ -73,6 +87,12 @@ class ModelRunner:
             positions += range(start, end)
             slots += [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
             seq_lens.append(end)
+            if req.scores_prompt:  # the positions whose next token is a prompt token not scored yet
+                lo, hi = max(start, req.num_prompt_logprobs), min(end, len(req.prompt_ids) - 1)
+                if lo < hi:
+                    prompt_rows += range(cu[-1] + lo - start, cu[-1] + hi - start)
+                    targets += req.prompt_ids[lo + 1 : hi + 1]
+                    spans.append((req, lo, hi - lo))
             cu.append(cu[-1] + n)
             rows.append(req.slot)
             max_q = max(max_q, n)
@@ -97,8 +117,9 @@ class ModelRunner:
         dev = self.device
         self.page_table.flush()
         # two pinned buffers and two copies for the whole step, not one per list
-        prefill_t, decode_t, positions_t, slots_t, rows_t, logits_t = to_device_packed(
-            [prefill_ids, decode_slots, positions, slots, rows, logits_rows], torch.int64, dev
+        lists = [prefill_ids, decode_slots, positions, slots, rows, logits_rows + prompt_rows]
+        prefill_t, decode_t, positions_t, slots_t, rows_t, logits_t, *targets_t = to_device_packed(
+            lists + [targets] if spans else lists, torch.int64, dev
         )
         seq_lens_t, cu_t = to_device_packed([seq_lens, cu], torch.int32, dev)
         fb = ForwardBatch(
@@ -113,20 +134,24 @@ class ModelRunner:
         )
         if self.kernels.stage is not None:
             self.kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(seq_lens, cu))
-        return fb, samplers
+        return fb, samplers, PromptRows(spans, targets_t[0]) if spans else None
 
-    def launch(self, fb: ForwardBatch, samplers: list[Request]) -> Launched:
+    def launch(self, fb: ForwardBatch, samplers: list[Request], prompt: PromptRows | None = None) -> Launched:
         """Run the forward and sampling; sampled tokens go to ``token_buffer`` on the device and
-        are copied to the host without blocking."""
+        are copied to the host without blocking (with the logprobs asked for)."""
         sample_slots = to_device([req.slot for req in samplers], torch.int64, self.device)
         num_tokens = fb.input_ids.shape[0]
-        graphable = fb.max_seqlen_q == 1 and len(samplers) == num_tokens  # decode-only, every row samples
+        # decode-only, every row samples
+        graphable = fb.max_seqlen_q == 1 and len(samplers) == num_tokens and prompt is None
         greedy = None  # each row's argmax, when the forward computed it (a graph)
         with step_range("forward"):
             if self.graphs is not None and graphable and self.graphs.bucket(num_tokens) is not None:
                 logits, greedy = self.graphs.run(fb)
-            else:
+            elif prompt is None:
                 logits = self.model(fb, self.pool.layers, self.kernels)
+            else:  # the samplers' logits; the scored prompt rows' only slice by slice, below
+                hidden = self.model.hidden(fb, self.pool.layers, self.kernels)
+                logits = self.model.logits(hidden[: len(samplers)])
         with step_range("sampling"):
             tokens = self.sampler(logits, samplers, greedy)
         self.token_buffer[sample_slots] = tokens
@@ -136,16 +161,24 @@ class ModelRunner:
                 k = max(samplers[i].params.logprobs for i in asked)
                 rows = None if len(asked) == len(samplers) else to_device(asked, torch.int64, self.device)
                 values, ids = token_logprobs(logits, tokens, rows, k)
+        scored = None
+        if prompt is not None:
+            with step_range("prompt_logprobs"):
+                k = max(req.params.prompt_logprobs for req, _, _ in prompt.spans)
+                scored = prompt_logprobs(self.model, hidden[len(samplers) :], prompt.targets, k)
         if self.device.type != "cuda":
             # a graph's output is overwritten by the next step, launched before this one is read
             step = Launched(samplers, tokens if greedy is None else tokens.clone(), None)
             step.logprobs = (asked, values, ids) if asked else None
+            step.prompt_logprobs = None if scored is None else (prompt.spans, *scored)
             return step
         host = [_to_host(tokens)] + ([_to_host(values), _to_host(ids)] if asked else [])
+        scored_host = None if scored is None else (prompt.spans, _to_host(scored[0]), _to_host(scored[1]))
         done = torch.cuda.Event()
         done.record()
         step = Launched(samplers, host[0], done)
         step.logprobs = (asked, host[1], host[2]) if asked else None
+        step.prompt_logprobs = scored_host
         return step
 
     @staticmethod
@@ -163,6 +196,24 @@ class ModelRunner:
             per_sampler[i] = (v[0], t[0], t[1 : 1 + k], v[1 : 1 + k])
         return step.tokens.tolist(), per_sampler
 
+    @staticmethod
+    def resolve_prompt(step: Launched) -> list[tuple[Request, int, list[TokenLogprobs]]]:
+        """The step's prompt logprobs: (request, first prompt position, one entry per position
+        from there). Call after ``resolve`` (which waits for the device)."""
+        if step.prompt_logprobs is None:
+            return []
+        spans, values, ids = step.prompt_logprobs
+        values, ids, out, row = values.tolist(), ids.tolist(), [], 0
+        for req, first, count in spans:
+            k = req.params.prompt_logprobs
+            entries = [
+                (v[0], t[0], t[1 : 1 + k], v[1 : 1 + k])
+                for v, t in zip(values[row : row + count], ids[row : row + count], strict=True)
+            ]
+            out.append((req, first, entries))
+            row += count
+        return out
+
 
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor | None, k: int
@@ -178,6 +229,25 @@ def token_logprobs(
     rank = (logp >= sampled).sum(-1, keepdim=True)  # as vLLM: tokens tied with it count before it
     top = logp.topk(k, -1) if k else (logp[:, :0], rank[:, :0])
     return torch.cat([sampled, top[0]], 1), torch.cat([rank, top[1]], 1)
+
+
+# elements of float32 logits a prompt-logprobs slice holds (128 MiB; with the log-softmax and the
+# rank's comparison about 300 MiB at its peak): a whole chunk's rows at once would take rows x
+# vocabulary x 4 bytes, twice (4.9 GB each for 8192 rows of a 150k vocabulary)
+PROMPT_SLICE_ELEMENTS = 1 << 25
+
+
+def prompt_logprobs(
+    model: CausalLM, hidden: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` of prompt rows from their final hidden states [R, H], whose next
+    tokens are ``targets`` [R]: logits made and reduced a slice of rows at a time."""
+    rows = max(1, PROMPT_SLICE_ELEMENTS // model.config.vocab_size)
+    parts = [
+        token_logprobs(model.logits(h), t, None, k)
+        for h, t in zip(hidden.split(rows), targets.split(rows), strict=True)
+    ]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:

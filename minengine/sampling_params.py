@@ -29,6 +29,10 @@ class SamplingParams:
     # likely tokens' (None: none). Of the model's raw distribution, before temperature and the
     # top-k / top-p / min-p filters, as vLLM's default ``raw_logprobs``
     logprobs: int | None = None
+    # per prompt token after the first: its log-probability given the tokens before it, its rank,
+    # and the ``prompt_logprobs`` most likely tokens' there (None: none). As in vLLM, such a request
+    # computes its whole prompt: it reads no KV from the prefix cache
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (
@@ -60,12 +64,10 @@ class SamplingParams:
                 raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n is {self.n!r}; allowed: an integer >= 1")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(f"logprobs is {self.logprobs!r}; allowed: None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} is {k!r}; allowed: None or an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             raise ValueError(f"seed is {self.seed} with n {self.n}; allowed: seed + n - 1 <= {SEED_MAX}")
 

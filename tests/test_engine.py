@@ -322,7 +322,8 @@ def test_max_tokens_gives_length(llm):
 
 def test_prepare_builds_every_input_of_mixed_batches(monkeypatch):
     """Every step's device inputs, checked field by field against the requests as scheduled:
-    prompt chunks that sample and that do not, a one-token prompt, decodes beside them."""
+    prompt chunks that sample and that do not, a one-token prompt, decodes beside them, and the
+    prompt rows scored for prompt logprobs (after the samplers' rows)."""
     llm = LLM("tiny", page_size=4, chunked_prefill_size=16, disable_overlap_schedule=True, max_total_tokens=2048)
     runner, ps = llm.engine.runner, 4
     seen = set()
@@ -332,12 +333,22 @@ def test_prepare_builds_every_input_of_mixed_batches(monkeypatch):
         before = [(req, n, req.num_computed, list(req.token_ids), list(req.pages), req.num_tokens) for req, n in batch]
         prefilling = [req.prefilling for req, _ in batch]
         assert prefilling == sorted(prefilling, reverse=True), "prefill chunks come first"
-        fb, samplers = real(batch)
+        scored = {req: req.num_prompt_logprobs for req, _ in batch if req.scores_prompt}
+        fb, samplers, prompt = real(batch)
         ids, positions, slots, seq_lens, cu, logits, expect_samplers = [], [], [], [], [0], [], []
+        prompt_rows, targets, spans = [], [], []
         for (req, n, start, tokens, pages, num_tokens), pre in zip(before, prefilling, strict=True):
             ids += tokens[start : start + n] if pre else [tokens[-1]]  # overlap off: the last token is known
             assert pre or n == 1
             positions += range(start, start + n)
+            if req in scored:  # the positions whose next token is a prompt token not scored yet
+                for p in range(max(start, scored[req]), min(start + n, len(req.prompt_ids) - 1)):
+                    prompt_rows.append(cu[-1] + p - start)
+                    targets.append(req.prompt_ids[p + 1])
+                    if not spans or spans[-1][0] is not req:
+                        spans.append((req, p, 0))
+                    spans[-1] = (req, spans[-1][1], spans[-1][2] + 1)
+                    seen.add("scored prompt rows")
             slots += [pages[p // ps] * ps + p % ps for p in range(start, start + n)]
             seq_lens.append(start + n)
             cu.append(cu[-1] + n)
@@ -351,16 +362,23 @@ def test_prepare_builds_every_input_of_mixed_batches(monkeypatch):
         seen.update({"mixed"} if any(prefilling) and not all(prefilling) else set())
         assert fb.input_ids.tolist() == ids and fb.positions.tolist() == positions
         assert fb.slot_mapping.tolist() == slots and fb.seq_lens.tolist() == seq_lens
-        assert fb.cu_seqlens_q.tolist() == cu and fb.logits_indices.tolist() == logits
+        assert fb.cu_seqlens_q.tolist() == cu and fb.logits_indices.tolist() == logits + prompt_rows
+        assert (prompt is None) == (not spans)
+        assert prompt is None or (prompt.spans == spans and prompt.targets.tolist() == targets)
         assert fb.max_seqlen_q == max(n for _, n in batch) and samplers == expect_samplers
         assert (fb.positions.dtype, fb.seq_lens.dtype, fb.cu_seqlens_q.dtype) == (torch.int64, torch.int32, torch.int32)
-        return fb, samplers
+        return fb, samplers, prompt
 
     monkeypatch.setattr(runner, "prepare", checked)
     prompts = [[7] * 3, [8] * 5, list(range(1, 41)), [9], list(range(2, 19)), list(range(3, 36))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=i % 3 or None) for i in range(6)
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.token_ids) == 6 for o in outs)
-    assert seen == {"prefill", "decode", "mixed", "one-token prefill", "chunk without a sample"}
+    assert [len(o.prompt_logprobs or ()) for o in outs] == [0, 5, 40, 0, 17, 33]
+    seen_all = {"prefill", "decode", "mixed", "one-token prefill", "chunk without a sample", "scored prompt rows"}
+    assert seen == seen_all
     llm.shutdown()
 
 

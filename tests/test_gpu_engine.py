@@ -47,18 +47,18 @@ def test_bf16_mixed_batches_on_gpu():
 
 def test_logprobs_with_cuda_graphs_match_a_float64_reference(tmp_path):
     """Decode steps replay CUDA graphs; logprobs are computed from the graph's logits after it,
-    and pinned host copies of them are read with the step's tokens."""
+    and pinned host copies of them are read with the step's tokens; prompt logprobs too."""
     import transformers
-    from test_logprobs import check_output, prompts_for, reference
+    from test_logprobs import check_output, check_prompt, prompt_reference, prompts_for, reference
 
     path = build_checkpoint(tmp_path / "qwen3", "qwen3")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
     prompts = prompts_for(hf.config.vocab_size)
     params = [
         SamplingParams(max_tokens=16, temperature=0.9, seed=5, logprobs=4, ignore_eos=True),
-        SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, logprobs=2, prompt_logprobs=3, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
-        SamplingParams(max_tokens=16, temperature=0, logprobs=0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, logprobs=0, prompt_logprobs=0, ignore_eos=True),
     ]
     llm = LLM(str(path), device="cuda", dtype="float32", attention_backend="triton", page_size=16)
     try:
@@ -69,5 +69,7 @@ def test_logprobs_with_cuda_graphs_match_a_float64_reference(tmp_path):
                 assert out.logprobs is None
             else:
                 check_output(out, reference(hf, prompt, out.token_ids), p.logprobs, llm.tokenizer)
+            if p.prompt_logprobs is not None:  # made a slice at a time beside the step, read with its tokens
+                check_prompt(o, prompt, prompt_reference(hf, prompt), p.prompt_logprobs, llm.tokenizer)
     finally:
         llm.shutdown()

@@ -5,12 +5,14 @@ steps, offline and through the data-parallel workers' front end."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from checkpoints import build_checkpoint
 
 from minengine import LLM, Logprob, SamplingParams
+from minengine.logprobs import prompt_offline
 from minengine.request import Request
 from minengine.runner import token_logprobs
 from minengine.scheduler.scheduler import Scheduler
@@ -38,28 +40,33 @@ def reference(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1)
 
 
+def check_step(step: dict, token: int, row: torch.Tensor, k: int, tokenizer) -> float:
+    """One position's {token id: Logprob} against the reference log-probabilities ``row`` [V]:
+    ``token`` first, with its logprob and rank, then the top k at their ranks. Returns its logprob."""
+    first = next(iter(step))
+    assert first == token, "the sampled (prompt) token comes first"
+    lp = step[token]
+    assert isinstance(lp, Logprob) and lp.decoded_token == tokenizer.token_text(token)
+    assert lp.logprob == pytest.approx(row[token].item(), abs=2e-4)
+    # its rank, up to near ties
+    assert int((row > row[token] + 1e-4).sum()) + 1 <= lp.rank <= int((row >= row[token] - 1e-4).sum())
+    # the top k (and the token itself, when it is not one of them), at their ranks
+    values = row.sort(descending=True).values
+    others = {t: v for t, v in step.items() if t != token}
+    ranks = {v.rank for v in others.values()} | ({lp.rank} if lp.rank <= k else set())
+    assert ranks == set(range(1, k + 1)) and len(step) == k + (lp.rank > k)
+    for t, v in others.items():
+        assert v.logprob == pytest.approx(row[t].item(), abs=2e-4)
+        assert v.logprob == pytest.approx(values[v.rank - 1].item(), abs=2e-4)
+        assert v.decoded_token == tokenizer.token_text(t)
+    return lp.logprob
+
+
 def check_output(out, ref: torch.Tensor, k: int, tokenizer) -> None:
     assert len(out.logprobs) == len(out.token_ids) == ref.shape[0]
     total = 0.0
     for pos, (token, step) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-        row = ref[pos]
-        first = next(iter(step))
-        assert first == token, "the sampled token comes first"
-        lp = step[token]
-        assert isinstance(lp, Logprob) and lp.decoded_token == tokenizer.token_text(token)
-        assert lp.logprob == pytest.approx(row[token].item(), abs=2e-4)
-        # its rank, up to near ties
-        assert int((row > row[token] + 1e-4).sum()) + 1 <= lp.rank <= int((row >= row[token] - 1e-4).sum())
-        total += lp.logprob
-        # the top k (and the sampled token, when it is not one of them), at their ranks
-        values = row.sort(descending=True).values
-        others = {t: v for t, v in step.items() if t != token}
-        ranks = {v.rank for v in others.values()} | ({lp.rank} if lp.rank <= k else set())
-        assert ranks == set(range(1, k + 1)) and len(step) == k + (lp.rank > k)
-        for t, v in others.items():
-            assert v.logprob == pytest.approx(row[t].item(), abs=2e-4)
-            assert v.logprob == pytest.approx(values[v.rank - 1].item(), abs=2e-4)
-            assert v.decoded_token == tokenizer.token_text(t)
+        total += check_step(step, token, ref[pos], k, tokenizer)
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-6)
 
 
@@ -183,3 +190,140 @@ def test_json_shapes_floor_what_json_cannot_carry():
     assert out["token_logprobs"] == [-9999.0] and list(out["top_logprobs"][0].values()) == [-9999.0]
     chat = fmt.chat([10], entries, tok)
     assert chat[0]["logprob"] == -9999.0 and chat[0]["top_logprobs"][0]["logprob"] == -9999.0
+
+
+# --- prompt logprobs (SamplingParams.prompt_logprobs; the completions API's echo) ---------------
+
+
+@torch.inference_mode()
+def prompt_reference(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, V] float64: row i scores prompt token i + 1."""
+    return model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+
+
+def check_prompt(out, prompt: list[int], ref: torch.Tensor, k: int, tokenizer) -> None:
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None, "None for the first token, then one per token"
+    for pos, (token, step) in enumerate(zip(prompt[1:], lps[1:], strict=True)):
+        check_step(step, token, ref[pos], k, tokenizer)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(page_size=4),
+        dict(page_size=3, chunked_prefill_size=8, disable_overlap_schedule=True),
+        dict(page_size=4, max_total_tokens=72, chunked_prefill_size=16),  # preempts and recomputes
+        dict(page_size=4, dp_size=2),  # through the workers and the front end
+    ],
+    ids=["page4", "chunk8-no-overlap", "preempt", "dp2"],
+)
+def test_prompt_logprobs_match_a_float64_reference(checkpoint, hf_model, config):
+    """Every prompt token's logprob, rank and top k, across chunks, pages and preemption; the
+    tokens generated are those of the same requests without prompt logprobs. A request asking
+    for them computes its whole prompt, as in vLLM: its prefix cache hits are 0."""
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", **config)
+    try:
+        prompts = prompts_for(hf_model.config.vocab_size)
+        base = dict(max_tokens=6, temperature=0, ignore_eos=True)
+        plain = llm.generate(prompts, SamplingParams(**base), use_tqdm=False)  # caches the shared prefix
+        params = [
+            SamplingParams(**base, prompt_logprobs=K),
+            SamplingParams(**base, prompt_logprobs=0, logprobs=2),
+            SamplingParams(**{**base, "temperature": 1.0}, seed=5, prompt_logprobs=1, n=2),
+            SamplingParams(**base, prompt_logprobs=3),  # a one-token prompt: [None]
+        ]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, p, o, ref_out in zip(prompts, params, outs, plain, strict=True):
+            check_prompt(o, prompt, prompt_reference(hf_model, prompt), p.prompt_logprobs, llm.tokenizer)
+            assert o.num_cached_tokens == 0
+            if p.temperature == 0:
+                assert o.token_ids == ref_out.token_ids
+        if config.get("max_total_tokens"):
+            assert llm.engine.scheduler.num_preemptions > 0
+        # without prompt logprobs the same prompt reads the prefix cache again
+        again = llm.generate(prompts[2], SamplingParams(**base), use_tqdm=False)[0]
+        assert again.prompt_logprobs is None and again.num_cached_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_prompt_logprobs_in_flight_across_a_preemption_are_kept_once(checkpoint, hf_model):
+    """Overlap on: a request preempted while a prompt chunk's results are in flight recomputes its
+    prompt; the scored positions it computes again are not added twice."""
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", page_size=4, chunked_prefill_size=8)
+    try:
+        engine = llm.engine
+        prompt = prompts_for(hf_model.config.vocab_size)[2]  # 53 tokens: 7 chunks
+        req = engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2))
+        engine.step()  # chunk 1 launched
+        engine.step()  # chunk 2 launched, chunk 1 read
+        assert req.num_prompt_logprobs == 8 and engine.has_unfinished()
+        engine.scheduler._preempt(req)  # chunk 2's results still in flight
+        # the recompute, in one chunk, is prepared before chunk 2 is read: it scores positions 8 on
+        engine.scheduler.chunked_prefill_size = 64
+        calls = []
+        add = req.add_prompt_logprobs
+        req.add_prompt_logprobs = lambda first, entries: (calls.append((first, len(entries))), add(first, entries))
+        while engine.has_unfinished():
+            engine.step()
+        assert calls == [(8, 8), (8, len(prompt) - 9)], "the recompute scored positions 8..15 again"
+        assert req.num_preemptions == 1 and len(req.prompt_logprobs) == len(prompt) - 1
+        out = SimpleNamespace(prompt_logprobs=prompt_offline(prompt, req.prompt_logprobs, llm.tokenizer))
+        check_prompt(out, prompt, prompt_reference(hf_model, prompt), 2, llm.tokenizer)
+    finally:
+        llm.shutdown()
+
+
+def test_add_prompt_logprobs_keeps_each_position_once():
+    req = Request(0, [1, 2, 3, 4, 5, 6], SamplingParams(prompt_logprobs=0), max_len=8)
+    entry = [(-float(i), 1, [], []) for i in range(5)]  # entry i scores prompt token i + 1
+    req.add_prompt_logprobs(0, entry[:2])
+    req.add_prompt_logprobs(2, entry[2:4])
+    req.add_prompt_logprobs(0, entry[:3])  # recomputed after a preemption: nothing new
+    req.add_prompt_logprobs(2, entry[2:5])
+    assert req.prompt_logprobs == entry and req.num_prompt_logprobs == 5 and not req.scores_prompt
+    with pytest.raises(AssertionError):
+        Request(0, [1, 2, 3], SamplingParams(prompt_logprobs=0), max_len=4).add_prompt_logprobs(1, entry[1:2])
+
+
+@pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
+def test_bad_prompt_logprobs_are_refused(bad):
+    with pytest.raises(ValueError, match=r"prompt_logprobs is .*; allowed: None or an integer in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=bad)
+
+
+def test_prompt_logprobs_are_sliced_to_bound_the_logits_they_hold(monkeypatch):
+    """A chunk's scored rows make their logits a slice at a time: the same values as all at once."""
+    from minengine import runner
+
+    llm = LLM("tiny", device="cpu")
+    try:
+        model = llm.engine.model
+        hidden = torch.randn(11, model.config.hidden_size)
+        targets = torch.randint(0, model.config.vocab_size, (11,))
+        whole = runner.prompt_logprobs(model, hidden, targets, 3)
+        monkeypatch.setattr(runner, "PROMPT_SLICE_ELEMENTS", 2 * model.config.vocab_size)  # 2 rows a slice
+        sliced = runner.prompt_logprobs(model, hidden, targets, 3)
+        assert torch.allclose(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
+        assert torch.allclose(whole[0], token_logprobs(model.logits(hidden), targets, None, 3)[0])
+    finally:
+        llm.shutdown()
+
+
+def test_a_scheduler_process_sends_prompt_logprobs_with_the_first_token_and_keeps_none():
+    from minengine.server.scheduler_process import engine_updates
+
+    llm = LLM("tiny", device="cpu", chunked_prefill_size=4)
+    try:
+        engine = llm.engine
+        prompt = list(range(5, 16))
+        live = {"r": engine.add_request(prompt, SamplingParams(max_tokens=3, prompt_logprobs=1))}
+        req, firsts = live["r"], []
+        while live:
+            for update in engine_updates(engine, live):
+                firsts.append(update.prompt_logprobs)
+        assert len(firsts) == 3 and firsts[1:] == [None, None] and len(firsts[0]) == len(prompt) - 1
+        assert req.prompt_logprobs == [] and req.num_prompt_logprobs == len(prompt) - 1
+    finally:
+        llm.shutdown()

@@ -202,7 +202,9 @@ BAD = [
     ({"prompt": 5}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "x", "echo": 1}, "echo"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),
     # seeds torch cannot take used to kill the scheduler (choice j of n samples with seed + j)
@@ -562,7 +564,8 @@ BOOT = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 9000, "bootstrap_room": 
     ("path", "body", "param"),
     [
         ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-        ("completions", {"prompt": "x", "echo": True}, "echo"),
+        ("completions", {"prompt": "x", "prompt_logprobs": 0}, "prompt_logprobs"),
+        ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "logprobs"),
         ("completions", {"prompt": "", "max_tokens": 2}, "prompt"),
         ("completions", {"prompt": "x" * 5000, "max_tokens": 2}, "prompt"),
         ("completions", {"prompt": "x", "model": "other"}, "model"),
@@ -852,6 +855,67 @@ def test_completion_logprobs_equal_the_offline_ones_streamed_or_not(client):
     )
     plain = client.completions.create(**{**kwargs, "logprobs": None})
     assert plain.choices[0].logprobs is None and plain.choices[0].text == full.choices[0].text
+
+
+def test_echo_and_prompt_logprobs_as_vllm(server, client):
+    """``echo`` puts the prompt before the output; with ``logprobs`` the prompt's tokens come
+    first in the logprobs too (the first with null values), as lm-eval's loglikelihood requests
+    read them; ``prompt_logprobs`` is vLLM's field. Values: the offline engine's."""
+    from minengine import LLM, SamplingParams
+
+    base = dict(model=MODEL, max_tokens=4, temperature=0, extra_body=LONG)
+    plain = client.completions.create(prompt="Hello there", **base).choices[0].text
+    echoed = client.completions.create(prompt="Hello there", echo=True, **base).choices[0]
+    assert echoed.text == "Hello there" + plain and echoed.logprobs is None
+
+    llm = LLM("tiny", device="cpu")
+    try:
+        ids = llm.tokenizer.encode("Hello there")
+        ref = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2, logprobs=2))[0]
+    finally:
+        llm.shutdown()
+    # lm-eval's loglikelihood request: token ids, echo, logprobs 1, one token
+    kwargs = dict(model=MODEL, prompt=[ids], max_tokens=1, temperature=0, echo=True, logprobs=2)
+    out = client.completions.create(**kwargs).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    want = [step[t].logprob for t, step in zip(ids[1:], ref.prompt_logprobs[1:], strict=True)]
+    want.append(ref.outputs[0].logprobs[0][ref.token_ids[0]].logprob)
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert top[token] == value and 1 <= len(top) <= 3
+    assert out.text == llm_text(ids) + ref.text
+    # vLLM's prompt_logprobs field: {token id: {logprob, rank, decoded_token}} after a null
+    prompt_lps = out.model_extra["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(ids)
+    assert [v[str(t)]["logprob"] for t, v in zip(ids[1:], prompt_lps[1:], strict=True)] == pytest.approx(
+        want[:-1], abs=1e-4
+    )
+    assert all(len(v) <= 3 and v[str(t)]["rank"] >= 1 for t, v in zip(ids[1:], prompt_lps[1:], strict=True))
+
+    # streamed: the prompt (and its logprobs) in the first chunk of each choice
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == out.text
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert chunks[0].choices[0].text.startswith(llm_text(ids))
+
+    # several prompts, n 2: every choice echoes its own prompt
+    many = client.completions.create(model=MODEL, prompt=["ab", "cd"], n=2, max_tokens=2, echo=True, extra_body=LONG)
+    assert [c.text[:2] for c in sorted(many.choices, key=lambda c: c.index)] == ["ab", "ab", "cd", "cd"]
+
+    # chat: vLLM's prompt_logprobs at the top level, one per prompt token
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+    body = httpx.post(server + "/v1/chat/completions", json=chat).json()
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(len(v) == 1 for v in body["prompt_logprobs"][1:])
+
+
+def llm_text(ids: list[int]) -> str:
+    from minengine.models.tiny import tiny_tokenizer
+
+    return tiny_tokenizer().decode(ids, skip_special_tokens=False)
 
 
 def test_chat_logprobs_and_top_logprobs(client):

@@ -132,9 +132,18 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kernels: KernelSet):
         """Logits (float32) of the rows in ``batch.logits_indices``."""
+        return self.logits(self.hidden(batch, kv_caches, kernels))
+
+    @torch.inference_mode()
+    def hidden(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kernels: KernelSet):
+        """The final (normed) hidden states of the rows in ``batch.logits_indices``."""
         x, residual = self.model.embed_tokens(batch.input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, batch, kv, kernels)
         rows = batch.logits_indices
-        x = self.model.norm(x[rows], None if residual is None else residual[rows], kernels.layers)
-        return self.lm_head(x).float()
+        return self.model.norm(x[rows], None if residual is None else residual[rows], kernels.layers)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of final hidden states."""
+        return self.lm_head(hidden).float()

@@ -228,7 +228,7 @@ class Scheduler:
             start = len(matches[rid][0]) * ps
             end = start + ps  # its next page, if full before its last token (always computed)
             tokens = req.token_ids
-            if end < len(tokens):
+            if end < len(tokens) and not req.scores_prompt:  # (one that reads no cache gains nothing)
                 if (index := pages_at.get(start)) is None:
                     index = pages_at[start] = {}
                     for other, upto in computing:
@@ -243,6 +243,8 @@ class Scheduler:
     def _match(self, req: Request):
         if self.cache is None:
             return [], None
+        if req.scores_prompt:  # it computes its whole prompt (vLLM's prompt logprobs skip the cache too)
+            return [], self.cache.root
         key = (self.cache.version, len(req.token_ids))
         if req.prefix_match is not None and req.prefix_match[0] == key:
             return req.prefix_match[1:]  # the tree gained or lost no page since: still the match

@@ -109,6 +109,8 @@ class _Sampling(_NullIsDefault):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: int = 1
+    # vLLM's: per prompt token from the second on, its logprob and the top ones (not with stream)
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # disaggregation (set by minengine.router): where the KV comes from, and the pairing id
@@ -251,7 +253,6 @@ _UNSUPPORTED = {
     "skip_special_tokens": (True,),
     "suffix": ("",),
     "top_logprobs": (0,),
-    "prompt_logprobs": (0,),
     "return_tokens_as_token_ids": (False,),
     "response_format": ({"type": "text"},),
     "guided_json": (),
@@ -262,7 +263,7 @@ _UNSUPPORTED = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "echo": (False,),  # chat (the completions API declares it, and rejects it itself)
+    "echo": (False,),  # chat's (vLLM's: the last message first); the completions API declares its own
     "add_generation_prompt": (True,),
     "continue_final_message": (False,),
     "chat_template": (),
@@ -285,12 +286,20 @@ def _shown(value: Any) -> str:
 
 
 def sampling_params(
-    req: _Sampling, max_tokens: int | None, max_tokens_field: str = "max_tokens", logprobs: int | None = None
+    req: _Sampling,
+    max_tokens: int | None,
+    max_tokens_field: str = "max_tokens",
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """``req``'s sampling parameters; ``max_tokens`` came from the field ``max_tokens_field``;
-    ``logprobs``: the top tokens to list per output token (None: no logprobs)."""
+    ``logprobs``: the top tokens to list per output token (None: no logprobs);
+    ``prompt_logprobs``: per prompt token (None: ``req.prompt_logprobs``)."""
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n is {req.n}; allowed: 1..{MAX_N}", "n")
+    if req.prompt_logprobs is not None and req.stream:  # as vLLM: a stream has no place for them
+        why = f"prompt_logprobs is {req.prompt_logprobs}; with stream: true allowed: null"
+        raise APIError(400, why, "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
@@ -310,6 +319,7 @@ def sampling_params(
             n=req.n,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
     except ValueError as exc:
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
@@ -344,6 +354,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     bootstrap: Bootstrap | None = None
+    echo: str | None = None  # the completions API's echo: the prompt's text, output first
 
 
 ROOM_LIMIT = 2**63
@@ -457,12 +468,12 @@ def build_app(state: ServerState) -> FastAPI:
         req = await parse_body(raw, CompletionRequest)
         with _peer_told(state, req):
             _check_open(state, req.model)
-            if req.echo:
-                raise APIError(400, "echo is not supported", "echo")
-            prompts = _completion_prompts(state.tokenizer, req.prompt)
+            prompts, texts = _completion_prompts(state.tokenizer, req.prompt)
             bootstrap = bootstrap_of(state, req, len(prompts))
-            params = sampling_params(req, req.max_tokens, logprobs=req.logprobs)
-            choices = _choices(state, prompts, params, bootstrap)
+            # as vLLM: echo with logprobs lists the prompt's tokens too, with ``logprobs`` top tokens
+            echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
+            params = sampling_params(req, req.max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs)
+            choices = _choices(state, prompts, params, bootstrap, echo=texts if req.echo else None)
         return await _respond(state, raw, req, choices, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -505,17 +516,19 @@ def _check_open(state: ServerState, model: str | None) -> None:
         raise APIError(404, f"the model {model!r} does not exist; served: {state.served_model_name!r}", "model")
 
 
-def _completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[list[int]]:
+def _completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's token ids and text (None where token ids were given)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt is empty", "prompt")
-    out = []
+    ids, texts = [], []
     for p in prompt:
         if isinstance(p, str) and not p:
             raise APIError(400, "prompt is empty", "prompt")
-        out.append(_encode(tokenizer, p, "prompt") if isinstance(p, str) else list(p))
-    return out
+        ids.append(_encode(tokenizer, p, "prompt") if isinstance(p, str) else list(p))
+        texts.append(p if isinstance(p, str) else None)
+    return ids, texts
 
 
 def _encode(tokenizer: Tokenizer, text: str, field_name: str, **kwargs: Any) -> list[int]:
@@ -532,13 +545,16 @@ def _choices(
     bootstrap: Bootstrap | None = None,
     prompt_field: str = "prompt",
     max_field: str = "max_tokens",
+    echo: list[str | None] | None = None,
 ) -> list[Choice]:
-    """One choice per prompt and sequence; ``prompt_field`` / ``max_field``: the request's names for them."""
+    """One choice per prompt and sequence; ``prompt_field`` / ``max_field``: the request's names
+    for them; ``echo``: each prompt's text to echo (None: decode its ids), or None for no echo."""
     n = params.n
-    if params.logprobs is not None and state.mode != "null":
-        # the prefill server samples the first token: the decode server never sees its logprobs
-        why = f"logprobs is requested on a {state.mode} server; with prefill/decode disaggregation, allowed: off"
-        raise APIError(400, why, "logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None and state.mode != "null":
+            # the prefill server samples the first token: the decode server never sees its logprobs
+            why = f"{name} is requested on a {state.mode} server; with prefill/decode disaggregation, allowed: off"
+            raise APIError(400, why, name)
     if len(prompts) * n > MAX_SEQUENCES:
         raise APIError(
             400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} sequences; allowed: at most {MAX_SEQUENCES}", "n"
@@ -553,9 +569,12 @@ def _choices(
             message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
             raise APIError(400, message, prompt_field) from None
     choices = []
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
+        text = None
+        if echo is not None:
+            text = echo[i] if echo[i] is not None else state.tokenizer.decode(ids, skip_special_tokens=False)
         for seq_params in params.per_sequence():
-            choices.append(Choice(len(choices), ids, seq_params, bootstrap))
+            choices.append(Choice(len(choices), ids, seq_params, bootstrap, text))
     return choices
 
 
@@ -620,6 +639,7 @@ def _joined(pieces: list[Piece]) -> Piece:
         sum(p.cached_tokens for p in pieces),
         pieces[-1].stop_reason,
         None if pieces[0].logprobs is None else [e for p in pieces for e in p.logprobs],
+        next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None),
     )
 
 
@@ -637,9 +657,10 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
         return StreamingResponse(stream, media_type="text/event-stream")
 
     state.enter()
-    texts = [""] * len(choices)
+    texts = [c.echo or "" for c in choices]
     token_ids: list[list[int]] = [[] for _ in choices]
     entries: list[list] = [[] for _ in choices]
+    prompt_entries: list[list | None] = [None] * len(choices)
     reasons: list[str | None] = [None] * len(choices)
     stop_reasons: list[str | int | None] = [None] * len(choices)
     completion_tokens = cached = 0
@@ -650,6 +671,8 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
             texts[index] += piece.text
             token_ids[index] += piece.token_ids
             entries[index] += piece.logprobs or ()
+            if piece.prompt_logprobs is not None:
+                prompt_entries[index] = piece.prompt_logprobs
             completion_tokens += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
             if piece.finish_reason is not None:
@@ -666,21 +689,38 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
         task.result()
     finally:
         state.leave()
-    body_choices = []
-    for i, (t, r, sr) in enumerate(zip(texts, reasons, stop_reasons, strict=True)):
+    body_choices, prompt_lps = [], []
+    for i, (c, t, r, sr) in enumerate(zip(choices, texts, reasons, stop_reasons, strict=True)):
         output = {"message": {"role": "assistant", "content": t}} if chat else {"text": t}
-        lps = _logprobs(state.tokenizer, choices[i], token_ids[i], entries[i], chat)
+        ids, lp_entries = token_ids[i], entries[i]
+        if c.echo is not None and c.params.logprobs is not None:  # the prompt's tokens first
+            ids, lp_entries = c.prompt_ids + ids, _echo_entries(c, prompt_entries[i]) + lp_entries
+        lps = _logprobs(state.tokenizer, c, ids, lp_entries, chat)
         body_choices.append({"index": i, **output, "logprobs": lps, "finish_reason": r, "stop_reason": sr})
-    return JSONResponse(
-        {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": created,
-            "model": model,
-            "choices": body_choices,
-            "usage": usage(prompt_tokens, completion_tokens, cached),
-        }
-    )
+        if c.params.prompt_logprobs is not None:  # (vLLM's: per choice, and for chat once, the first's)
+            found = prompt_entries[i] if prompt_entries[i] is not None else [None] * (len(c.prompt_ids) - 1)
+            prompt_lps.append(logprob_format.prompt_json(c.prompt_ids, found, state.tokenizer))
+            if not chat:
+                body_choices[-1]["prompt_logprobs"] = prompt_lps[-1]
+    body = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": body_choices,
+        "usage": usage(prompt_tokens, completion_tokens, cached),
+    }
+    if chat and prompt_lps:
+        body["prompt_logprobs"] = prompt_lps[0]
+    return JSONResponse(body)
+
+
+def _echo_entries(choice: Choice, prompt_entries: list | None) -> list:
+    """The logprobs entries of an echoed prompt's tokens: None for the first (and for all when
+    the request ended before its prompt logprobs came)."""
+    if prompt_entries is None:
+        return [None] * len(choice.prompt_ids)
+    return [None, *prompt_entries]
 
 
 def _logprobs(
@@ -717,6 +757,7 @@ async def _stream(
     # choice's next token starts in its text (the completions API's text_offset)
     pending: list[tuple[list[int], list]] = [([], []) for _ in choices]
     offsets = [0] * len(choices)
+    echoed: set[int] = set()  # the choices whose prompt the stream has echoed
     try:
         if chat:  # the role comes first, once per choice
             for c in choices:
@@ -726,11 +767,18 @@ async def _stream(
             completion_tokens += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
             ids, entries = pending[index]
+            c, text = choices[index], piece.text
+            if c.echo is not None and index not in echoed:  # the prompt goes first, in the first chunk
+                echoed.add(index)
+                text = c.echo + text
+                if c.params.logprobs is not None:
+                    ids += c.prompt_ids
+                    entries += _echo_entries(c, piece.prompt_logprobs)
             ids += piece.token_ids
             entries += piece.logprobs or ()
-            if not piece.text and piece.finish_reason is None:
+            if not text and piece.finish_reason is None:
                 continue
-            output = {"delta": {"content": piece.text} if piece.text else {}} if chat else {"text": piece.text}
+            output = {"delta": {"content": text} if text else {}} if chat else {"text": text}
             reasons = {"finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
             lps = _logprobs(state.tokenizer, choices[index], ids, entries, chat, offsets[index])
             if lps is not None and ids and not chat:

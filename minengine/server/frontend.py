@@ -212,6 +212,7 @@ class Piece:
     # the output (None for an end-of-sequence token)
     stop_reason: str | int | None = None
     logprobs: list | None = None  # one ``TokenLogprobs`` per token of ``token_ids``, when asked for
+    prompt_logprobs: list | None = None  # with the first piece: per prompt token from the second on
 
     @property
     def num_tokens(self) -> int:
@@ -252,7 +253,7 @@ async def generate(
             batch, held = _waiting_updates(item, queue)
             # the batch's updates in order, as if they came one by one; a stop string ends it at the
             # update that completes it (the scheduler went on: later tokens are not the output)
-            now, ids, text, cached, reason = time.perf_counter(), [], "", 0, None
+            now, ids, text, cached, reason, prompt_logprobs = time.perf_counter(), [], "", 0, None, None
             logprobs = [] if params.logprobs is not None else None
             for update in batch:
                 if update.new_token_ids:
@@ -267,6 +268,8 @@ async def generate(
                 if logprobs is not None and update.logprobs is not None:
                     logprobs += update.logprobs
                 cached += update.cached_tokens
+                if update.prompt_logprobs is not None:
+                    prompt_logprobs = update.prompt_logprobs
                 reason = update.finish_reason
                 if detok.stop:  # only stop strings need the text update by update
                     text += detok.add(_text_ids(update.new_token_ids, reason, detok.include_stop))
@@ -281,7 +284,7 @@ async def generate(
             last_id = ids[-1] if ids else last_id
             if reason is None:
                 if text or ids:
-                    yield Piece(text, ids, cached_tokens=cached, logprobs=logprobs)
+                    yield Piece(text, ids, cached_tokens=cached, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
                 continue
             finished = True
             text += detok.finish()
@@ -293,7 +296,7 @@ async def generate(
             else:
                 metrics.request_success.labels(finished_reason=reason).inc()
                 metrics.e2e.observe(now - arrival)
-            yield Piece(text, ids, reason, cached, why, logprobs)
+            yield Piece(text, ids, reason, cached, why, logprobs, prompt_logprobs)
             return
     finally:
         if not finished:

@@ -67,6 +67,9 @@ class TokenUpdate(NamedTuple):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (sent with the first update)
     error: str | None = None  # why an aborted request failed (KV transfer, rejection by the peer)
     logprobs: list | None = None  # one ``TokenLogprobs`` per new token, when the request asked for them
+    # with the first update of a request that asked for them: one ``TokenLogprobs`` per prompt token
+    # from the second on
+    prompt_logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,9 @@ class StepOutput:
     def __reduce__(self):
         ups = self.updates
         extra = [
-            (i, u[2:]) for i, u in enumerate(ups) if u[2] is not None or u[3] or u[4] is not None or u[5] is not None
+            (i, u[2:])
+            for i, u in enumerate(ups)
+            if u[2] is not None or u[3] or u[4] is not None or u[5] is not None or u[6] is not None
         ]
         columns = ([u[0] for u in ups], [u[1] for u in ups], extra)
         return _step_output, (self.rank, columns, self.stats, self.delayer, self.kv_received, self.kv_pages_sent)
@@ -93,7 +98,9 @@ class StepOutput:
 
 def _step_output(rank: int, columns: tuple, *rest) -> StepOutput:
     rids, tokens, extra = columns
-    updates = [new_record(TokenUpdate, (rid, ids, None, 0, None, None)) for rid, ids in zip(rids, tokens, strict=True)]
+    updates = [
+        new_record(TokenUpdate, (rid, ids, None, 0, None, None, None)) for rid, ids in zip(rids, tokens, strict=True)
+    ]
     for i, fields in extra:
         updates[i] = TokenUpdate(rids[i], tokens[i], *fields)
     return StepOutput(rank, updates, *rest)

@@ -207,10 +207,13 @@ def engine_updates(engine: Engine, live: dict[str, Request]) -> list[TokenUpdate
         rid = rids[id(req)]
         first = len(req.token_ids) == len(req.prompt_ids) + 1  # its first output token
         cached = req.cached_tokens if first else 0
-        logprobs = None
+        logprobs = prompt_logprobs = None
         if req.output_logprobs is not None:  # sent once: the front end keeps them, not the scheduler
             logprobs, req.output_logprobs = req.output_logprobs, []
-        updates.append(new_record(TokenUpdate, (rid, [req.token_ids[-1]], req.finish_reason, cached, None, logprobs)))
+        if first and req.prompt_logprobs is not None:  # complete once the first token is sampled
+            prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+        record = (rid, [req.token_ids[-1]], req.finish_reason, cached, None, logprobs, prompt_logprobs)
+        updates.append(new_record(TokenUpdate, record))
         if req.finished:
             del live[rid]
     return updates
