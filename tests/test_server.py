@@ -901,6 +901,23 @@ def test_echo_and_prompt_logprobs_as_vllm(server, client):
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     assert chunks[0].choices[0].text.startswith(llm_text(ids))
 
+    # echo with max_tokens 0: the prompt alone, scored (vLLM's; older lm-eval sends it)
+    alone = client.completions.create(**{**kwargs, "max_tokens": 0}).choices[0]
+    assert alone.text == llm_text(ids) and alone.finish_reason == "length"
+    assert len(alone.logprobs.tokens) == len(ids) and alone.logprobs.token_logprobs[0] is None
+    assert alone.logprobs.token_logprobs[1:] == pytest.approx(want[:-1], abs=1e-4)
+    r = httpx.post(server + "/v1/completions", json={"prompt": "ab", "max_tokens": 0, "echo": True})
+    assert r.json()["choices"][0]["text"] == "ab" and r.json()["usage"]["completion_tokens"] == 0
+    r = httpx.post(server + "/v1/completions", json={"prompt": "ab", "max_tokens": 0})
+    assert r.status_code == 400 and "0 with echo" in r.json()["error"]["message"]
+    # echoed prompt tokens list at most `logprobs` top tokens, though prompt_logprobs asked for more
+    wide = client.completions.create(**{**kwargs, "logprobs": 1}, extra_body={"prompt_logprobs": 5}).choices[0]
+    assert all(len(top) <= 2 for top in wide.logprobs.top_logprobs[1:])
+    assert max(len(v) for v in wide.model_extra["prompt_logprobs"][1:]) == 6
+    # vLLM's field is there, null, when not asked for
+    r = httpx.post(server + "/v1/completions", json={"prompt": "ab", "max_tokens": 1})
+    assert "prompt_logprobs" in r.json()["choices"][0] and r.json()["choices"][0]["prompt_logprobs"] is None
+
     # several prompts, n 2: every choice echoes its own prompt
     many = client.completions.create(model=MODEL, prompt=["ab", "cd"], n=2, max_tokens=2, echo=True, extra_body=LONG)
     assert [c.text[:2] for c in sorted(many.choices, key=lambda c: c.index)] == ["ab", "ab", "cd", "cd"]
@@ -972,6 +989,45 @@ def test_stream_options_without_include_usage_sends_usage_as_vllm(server):
     body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {}}
     r = httpx.post(server + "/v1/completions", json=body)
     assert r.status_code == 200 and '"usage": {"prompt_tokens"' in r.text
+
+
+def test_a_request_aborted_before_its_prompt_logprobs_came_still_answers():
+    """An abort before the first token (a shutdown drain) brings no prompt logprobs: the answer is
+    a 200 with finish_reason abort and null values, as for a request that asked for none."""
+    from types import SimpleNamespace
+
+    from minengine.models.tiny import tiny_tokenizer
+    from minengine.sampling_params import SamplingParams
+    from minengine.server import api
+    from minengine.server.frontend import Piece
+    from minengine.server.metrics import Metrics
+
+    async def fake_pieces(state, choices):
+        for c in choices:
+            yield c.index, Piece("", [], "abort", logprobs=[])
+
+    async def connected():
+        return False
+
+    async def run(chat, echo):
+        state = api.ServerState(SimpleNamespace(), tiny_tokenizer(), MODEL, Metrics())
+        params = SamplingParams(logprobs=1, prompt_logprobs=1)
+        choices = [api.Choice(0, [5, 6, 7], params, echo="ab" if echo else None)]
+        req = SimpleNamespace(stream=False, n=1)
+        raw = SimpleNamespace(is_disconnected=connected)
+        return json.loads((await api._respond(state, raw, req, choices, chat)).body)
+
+    orig, api._pieces = api._pieces, fake_pieces
+    try:
+        for chat, echo in ((False, False), (False, True), (True, False)):
+            body = asyncio.run(run(chat, echo))
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "abort"
+            assert (body if chat else choice)["prompt_logprobs"] == [None, None, None]
+            if echo:
+                assert choice["text"] == "ab" and choice["logprobs"]["token_logprobs"] == [None, None, None]
+    finally:
+        api._pieces = orig
 
 
 def test_logprobs_of_tokens_without_text_go_with_the_next_chunk():

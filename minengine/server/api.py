@@ -355,6 +355,7 @@ class Choice:
     params: SamplingParams
     bootstrap: Bootstrap | None = None
     echo: str | None = None  # the completions API's echo: the prompt's text, output first
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (its one token is dropped)
 
 
 ROOM_LIMIT = 2**63
@@ -472,8 +473,17 @@ def build_app(state: ServerState) -> FastAPI:
             bootstrap = bootstrap_of(state, req, len(prompts))
             # as vLLM: echo with logprobs lists the prompt's tokens too, with ``logprobs`` top tokens
             echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
-            params = sampling_params(req, req.max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs)
+            # as vLLM: echo with max_tokens 0 answers with the prompt alone (scoring it); it runs
+            # with one token, which the answer leaves out
+            prompt_only = req.echo and req.max_tokens == 0
+            if req.max_tokens == 0 and not prompt_only:
+                why = "max_tokens is 0; allowed: an integer >= 1, or 0 with echo (the prompt alone)"
+                raise APIError(400, why, "max_tokens")
+            max_tokens = 1 if prompt_only else req.max_tokens
+            params = sampling_params(req, max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs)
             choices = _choices(state, prompts, params, bootstrap, echo=texts if req.echo else None)
+            for c in choices:
+                c.prompt_only = prompt_only
         return await _respond(state, raw, req, choices, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -589,7 +599,7 @@ async def _pieces(state: ServerState, choices: list[Choice]) -> AsyncIterator[tu
             async for piece in generate(
                 state.client, state.tokenizer, state.metrics, rid, choice.prompt_ids, choice.params, choice.bootstrap
             ):
-                queue.put_nowait((choice.index, piece))
+                queue.put_nowait((choice.index, _prompt_only(piece) if choice.prompt_only else piece))
         except (SchedulerDied, RequestFailed) as exc:
             queue.put_nowait((choice.index, exc))
         finally:
@@ -615,6 +625,13 @@ async def _pieces(state: ServerState, choices: list[Choice]) -> AsyncIterator[tu
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _prompt_only(piece: Piece) -> Piece:
+    """A piece of a prompt-only choice (echo, max_tokens 0): no output token; it ends by length."""
+    reason = piece.finish_reason if piece.finish_reason in (None, "abort") else "length"
+    logprobs = None if piece.logprobs is None else []
+    return Piece("", [], reason, piece.cached_tokens, None, logprobs, piece.prompt_logprobs)
 
 
 def _merge_waiting(index: int, piece: Piece, queue: asyncio.Queue) -> tuple[Piece, tuple | None]:
@@ -689,7 +706,7 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
         task.result()
     finally:
         state.leave()
-    body_choices, prompt_lps = [], []
+    body_choices = []
     for i, (c, t, r, sr) in enumerate(zip(choices, texts, reasons, stop_reasons, strict=True)):
         output = {"message": {"role": "assistant", "content": t}} if chat else {"text": t}
         ids, lp_entries = token_ids[i], entries[i]
@@ -697,11 +714,8 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
             ids, lp_entries = c.prompt_ids + ids, _echo_entries(c, prompt_entries[i]) + lp_entries
         lps = _logprobs(state.tokenizer, c, ids, lp_entries, chat)
         body_choices.append({"index": i, **output, "logprobs": lps, "finish_reason": r, "stop_reason": sr})
-        if c.params.prompt_logprobs is not None:  # (vLLM's: per choice, and for chat once, the first's)
-            found = prompt_entries[i] if prompt_entries[i] is not None else [None] * (len(c.prompt_ids) - 1)
-            prompt_lps.append(logprob_format.prompt_json(c.prompt_ids, found, state.tokenizer))
-            if not chat:
-                body_choices[-1]["prompt_logprobs"] = prompt_lps[-1]
+        if not chat:  # vLLM's field (null unless asked for)
+            body_choices[-1]["prompt_logprobs"] = _prompt_logprobs(state.tokenizer, c, prompt_entries[i])
     body = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -710,17 +724,29 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
         "choices": body_choices,
         "usage": usage(prompt_tokens, completion_tokens, cached),
     }
-    if chat and prompt_lps:
-        body["prompt_logprobs"] = prompt_lps[0]
+    if chat:  # vLLM's: once, at the top (the prompt's; its first choice's)
+        body["prompt_logprobs"] = _prompt_logprobs(state.tokenizer, choices[0], prompt_entries[0])
     return JSONResponse(body)
+
+
+def _prompt_logprobs(tokenizer: Tokenizer, choice: Choice, prompt_entries: list | None) -> list | None:
+    """vLLM's ``prompt_logprobs`` of a choice: None unless it asked for them; a None per token
+    when it ended before they came (an abort before its first token)."""
+    if choice.params.prompt_logprobs is None:
+        return None
+    if prompt_entries is None:
+        return [None] * len(choice.prompt_ids)
+    return logprob_format.prompt_json(choice.prompt_ids, prompt_entries, tokenizer)
 
 
 def _echo_entries(choice: Choice, prompt_entries: list | None) -> list:
     """The logprobs entries of an echoed prompt's tokens: None for the first (and for all when
-    the request ended before its prompt logprobs came)."""
+    the request ended before its prompt logprobs came); as vLLM, each lists at most ``logprobs``
+    top tokens (``prompt_logprobs`` may have asked for more)."""
     if prompt_entries is None:
         return [None] * len(choice.prompt_ids)
-    return [None, *prompt_entries]
+    k = choice.params.logprobs
+    return [None, *((lp, rank, ids[:k], lps[:k]) for lp, rank, ids, lps in prompt_entries)]
 
 
 def _logprobs(
