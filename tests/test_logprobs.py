@@ -76,7 +76,8 @@ def prompts_for(vocab: int) -> list[list[int]]:
     return [shared + [rng.randrange(4, vocab) for _ in range(n)] for n in (1, 9, 30)] + [[rng.randrange(4, vocab)]]
 
 
-@pytest.mark.parametrize(
+# engine configurations that split, preempt and overlap steps, or go through the front end
+SCHEDULING_SHAPES = pytest.mark.parametrize(
     "config",
     [
         dict(page_size=4),
@@ -86,6 +87,9 @@ def prompts_for(vocab: int) -> list[list[int]]:
     ],
     ids=["page4", "chunk8-no-overlap", "preempt", "dp2"],
 )
+
+
+@SCHEDULING_SHAPES
 def test_logprobs_match_a_float64_reference(checkpoint, hf_model, config):
     llm = LLM(str(checkpoint), device="cpu", dtype="float32", **config)
     try:
@@ -208,16 +212,7 @@ def check_prompt(out, prompt: list[int], ref: torch.Tensor, k: int, tokenizer) -
         check_step(step, token, ref[pos], k, tokenizer)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        dict(page_size=4),
-        dict(page_size=3, chunked_prefill_size=8, disable_overlap_schedule=True),
-        dict(page_size=4, max_total_tokens=72, chunked_prefill_size=16),  # preempts and recomputes
-        dict(page_size=4, dp_size=2),  # through the workers and the front end
-    ],
-    ids=["page4", "chunk8-no-overlap", "preempt", "dp2"],
-)
+@SCHEDULING_SHAPES
 def test_prompt_logprobs_match_a_float64_reference(checkpoint, hf_model, config):
     """Every prompt token's logprob, rank and top k, across chunks, pages and preemption; the
     tokens generated are those of the same requests without prompt logprobs. A request asking
