@@ -900,6 +900,22 @@ def test_echo_and_prompt_logprobs_as_vllm(server, client):
     streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     assert chunks[0].choices[0].text.startswith(llm_text(ids))
+    # as vLLM: a stream takes prompt_logprobs 0 (and sends none); with echo it scores the prompt
+    # with no top tokens beside the prompt's own
+    zero = client.completions.create(**kwargs, stream=True, extra_body={"prompt_logprobs": 0})
+    zero = [c.choices[0].logprobs for c in zero if c.choices and c.choices[0].logprobs]
+    tops = [top for lps in zero for top in lps.top_logprobs]
+    assert tops[0] is None and all(len(top) == 1 for top in tops[1 : len(ids)])
+    assert [x for lps in zero for x in lps.token_logprobs][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    for path, body in (
+        ("completions", {"prompt": "ab"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        body = {**body, "max_tokens": 2, "stream": True, "prompt_logprobs": 0}
+        with httpx.stream("POST", f"{server}/v1/{path}", json=body) as r:
+            assert r.status_code == 200 and "prompt_logprobs" not in r.read().decode().replace(
+                '"prompt_logprobs":null', ""
+            )
 
     # echo with max_tokens 0: the prompt alone, scored (vLLM's; older lm-eval sends it)
     alone = client.completions.create(**{**kwargs, "max_tokens": 0}).choices[0]

@@ -109,7 +109,7 @@ class _Sampling(_NullIsDefault):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: int = 1
-    # vLLM's: per prompt token from the second on, its logprob and the top ones (not with stream)
+    # vLLM's: per prompt token from the second on, its logprob and the top ones (a stream takes only 0, and sends none)
     prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -294,12 +294,15 @@ def sampling_params(
 ) -> SamplingParams:
     """``req``'s sampling parameters; ``max_tokens`` came from the field ``max_tokens_field``;
     ``logprobs``: the top tokens to list per output token (None: no logprobs);
-    ``prompt_logprobs``: per prompt token (None: ``req.prompt_logprobs``)."""
+    ``prompt_logprobs``: per prompt token (None: ``req.prompt_logprobs``, which a stream accepts
+    only as 0 and then computes none, as vLLM)."""
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n is {req.n}; allowed: 1..{MAX_N}", "n")
-    if req.prompt_logprobs is not None and req.stream:  # as vLLM: a stream has no place for them
-        why = f"prompt_logprobs is {req.prompt_logprobs}; with stream: true allowed: null"
-        raise APIError(400, why, "prompt_logprobs")
+    asked = req.prompt_logprobs
+    if asked is not None and req.stream:  # as vLLM: a stream has no place for them; 0 asks for none
+        if asked != 0:
+            raise APIError(400, f"prompt_logprobs is {asked}; with stream: true allowed: null or 0", "prompt_logprobs")
+        asked = None
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     if req.stream_options is not None and req.stream_options.continuous_usage_stats:
@@ -319,7 +322,7 @@ def sampling_params(
             n=req.n,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            prompt_logprobs=asked if prompt_logprobs is None else prompt_logprobs,
         )
     except ValueError as exc:
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
@@ -471,8 +474,11 @@ def build_app(state: ServerState) -> FastAPI:
             _check_open(state, req.model)
             prompts, texts = _completion_prompts(state.tokenizer, req.prompt)
             bootstrap = bootstrap_of(state, req, len(prompts))
-            # as vLLM: echo with logprobs lists the prompt's tokens too, with ``logprobs`` top tokens
-            echo_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else None
+            # as vLLM: echo with logprobs lists the prompt's tokens too, scored with ``prompt_logprobs``
+            # top tokens when given (0 with stream too), else ``logprobs``
+            echo_logprobs = None
+            if req.echo and req.logprobs is not None:
+                echo_logprobs = req.logprobs if req.prompt_logprobs is None else req.prompt_logprobs
             # as vLLM: echo with max_tokens 0 answers with the prompt alone (scoring it); it runs
             # with one token, which the answer leaves out
             prompt_only = req.echo and req.max_tokens == 0
