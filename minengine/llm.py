@@ -138,7 +138,9 @@ class LLM:
             seqs = [next(results) for _ in range(p.n)]
             completions = [CompletionOutput(j, *seq[:-2]) for j, seq in enumerate(seqs)]
             prompt_lps = prompt_offline(p_ids, seqs[0][-1], self.tokenizer)
-            outputs.append(RequestOutput(i, text, p_ids, completions, True, seqs[0][-2], prompt_lps))
+            outputs.append(
+                RequestOutput(i, text, p_ids, completions, num_cached_tokens=seqs[0][-2], prompt_logprobs=prompt_lps)
+            )
         return outputs
 
     def chat(

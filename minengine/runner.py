@@ -192,8 +192,7 @@ class ModelRunner:
         asked, values, ids = step.logprobs
         per_sampler: list[TokenLogprobs | None] = [None] * len(step.samplers)
         for i, v, t in zip(asked, values.tolist(), ids.tolist(), strict=True):
-            k = step.samplers[i].params.logprobs
-            per_sampler[i] = (v[0], t[0], t[1 : 1 + k], v[1 : 1 + k])
+            per_sampler[i] = _entry(v, t, step.samplers[i].params.logprobs)
         return step.tokens.tolist(), per_sampler
 
     @staticmethod
@@ -206,13 +205,16 @@ class ModelRunner:
         values, ids, out, row = values.tolist(), ids.tolist(), [], 0
         for req, first, count in spans:
             k = req.params.prompt_logprobs
-            entries = [
-                (v[0], t[0], t[1 : 1 + k], v[1 : 1 + k])
-                for v, t in zip(values[row : row + count], ids[row : row + count], strict=True)
-            ]
+            entries = [_entry(v, t, k) for v, t in zip(values[row : row + count], ids[row : row + count], strict=True)]
             out.append((req, first, entries))
             row += count
         return out
+
+
+def _entry(values: list[float], ids: list[int], k: int) -> TokenLogprobs:
+    """One row of ``token_logprobs`` (read to the host) as a ``TokenLogprobs``, cut to the ``k``
+    top tokens its request asked for (the row holds the step's largest k)."""
+    return values[0], ids[0], ids[1 : 1 + k], values[1 : 1 + k]
 
 
 def token_logprobs(
