@@ -7,7 +7,8 @@ whose U+FFFD never completes, is committed a few tokens behind the newest once i
 stable, so the window stays short and the work per token bounded whatever the model emits.
 With stop strings, the last ``max(len(stop)) - 1`` characters are held back, so no piece of a
 stop string is ever handed out; when one appears, the text is cut before it (after it with
-``include_stop``, vLLM's ``include_stop_str_in_output``).
+``include_stop``, vLLM's ``include_stop_str_in_output``). As in vLLM, no stop string ends in the
+text of the first ``min_tokens`` output tokens (one may begin there and end after it).
 """
 
 from __future__ import annotations
@@ -33,11 +34,19 @@ _CONTEXT_MIN, _CONTEXT_MAX = 4, 24
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), prompt_ids: list[int] = (), include_stop: bool = False
+        self,
+        tokenizer: Tokenizer,
+        stop: tuple[str, ...] = (),
+        prompt_ids: list[int] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self.num_output = 0  # output tokens taken (special ones too)
+        self._protected = 0  # the text of the first min_tokens output tokens: no stop string ends in it
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = self._context(prompt_ids)  # the prompt's tail, then the output
         self.text = ""  # complete characters decoded so far (cut at a stop string)
@@ -49,7 +58,7 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_request(cls, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: list[int]) -> IncrementalDetokenizer:
-        return cls(tokenizer, params.stop_strings, prompt_ids, params.include_stop_str_in_output)
+        return cls(tokenizer, params.stop_strings, prompt_ids, params.include_stop_str_in_output, params.min_tokens)
 
     def _context(self, prompt_ids: list[int]) -> list[int]:
         """The shortest tail of the prompt (at least _CONTEXT_MIN tokens where it has them) that
@@ -66,6 +75,10 @@ class IncrementalDetokenizer:
         """Take new output tokens; returns the text that is now safe to hand out."""
         if self.stopped:
             return ""
+        short = self.min_tokens - self.num_output
+        if 0 < short < len(token_ids):  # the text at the min_tokens-th token bounds the stop search
+            return self.add(token_ids[:short]) + self.add(token_ids[short:])
+        self.num_output += len(token_ids)
         special = self.tokenizer.special_ids
         self.ids += [t for t in token_ids if t not in special]
         self._decode(final=False)
@@ -90,8 +103,12 @@ class IncrementalDetokenizer:
             head = decode(self.ids[self._prefix_offset : upto])
             if len(prefix) < len(head) < len(window) and window.startswith(head):
                 self._commit(head[len(prefix) :], upto)
+        if self.num_output <= self.min_tokens:
+            self._protected = len(self.text)
         if self.stop:
-            found = [(i, s) for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0]
+            # from the text not searched yet; a match must end past the protected text
+            starts = [(s, max(self.emitted, self._protected + 1 - len(s))) for s in self.stop]
+            found = [(i, s) for s, start in starts if (i := self.text.find(s, start)) >= 0]
             if found:
                 cut, self.stop_string = min(found, key=lambda f: f[0])  # the first to appear
                 if self.include_stop:

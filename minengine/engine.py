@@ -78,6 +78,9 @@ def check_prompt(
     )
     if bad is not None:
         raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.logit_bias or () if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
     total = len(prompt_ids) + params.max_tokens
     for limit, what in ((context_length, "the context length"), (kv_capacity, "the KV cache capacity of")):
         if total > limit:
@@ -140,7 +143,10 @@ class Engine:
             # a prefill server reserves prompt + 1 token, all it needs; its KV must not move mid-send
             preempt=config.kv_admission == "preempt" and config.disaggregation_mode != "prefill",
         )
-        self.sampler = Sampler(self.device, config.seed)
+        self.eos_token_ids = set(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        )
+        self.sampler = Sampler(self.device, config.seed, frozenset(self.eos_token_ids))
         self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
         if self.use_cuda_graphs:
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
@@ -149,9 +155,6 @@ class Engine:
         self._in_flight: Launched | None = None  # overlap: the launched step whose tokens are not read yet
         # (request, tokens with KV) of the step read in the last pass: that KV is written now
         self.kv_ready: list[tuple[Request, int]] = []
-        self.eos_token_ids = set(mc.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        )
         self._rids = itertools.count()
         logger.info(
             "engine: %s on %s (%s), %d KV pages x %d tokens, context %d",

@@ -48,6 +48,11 @@ class Request:
     # scheduler hands them on (and empties the list) when the first output token comes
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_prompt_logprobs: int = 0  # prompt tokens from the second on whose logprobs have arrived
+    # with penalties (``params.penalizes``), on the device, made by the sampler at its first token
+    # there: [V] int32 counts of the sampled output tokens, and with a repetition penalty, [V] bool
+    # marks of the prompt's tokens. They live with the request (a preempted one keeps them) until it finishes
+    output_counts: torch.Tensor | None = None
+    prompt_seen: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -99,6 +104,11 @@ class Request:
         new = entries[self.num_prompt_logprobs - first :]
         self.prompt_logprobs += new
         self.num_prompt_logprobs += len(new)
+
+    @property
+    def num_output_sampled(self) -> int:
+        """Output tokens sampled so far, those in flight included."""
+        return len(self.token_ids) + self.num_inflight - len(self.prompt_ids)
 
     @property
     def prefilling(self) -> bool:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 # seeds torch.Generator.manual_seed takes
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # most alternatives a token's logprobs may list (vLLM's default max_logprobs)
 MAX_LOGPROBS = 20
+# the range of presence_penalty and frequency_penalty, as in vLLM and the OpenAI API
+PENALTY_RANGE = (-2.0, 2.0)
+MAX_REPETITION_PENALTY = 2.0  # vLLM's; the lower bound is exclusive: (0, 2]
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # the OpenAI API's
 # temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one overflows
 GREEDY_TEMPERATURE = 1e-5
 
@@ -33,6 +38,18 @@ class SamplingParams:
     # and the ``prompt_logprobs`` most likely tokens' there (None: none). As in vLLM, such a request
     # computes its whole prompt: it reads no KV from the prefix cache
     prompt_logprobs: int | None = None
+    # As vLLM (and in its order): ``logit_bias`` is added to the logits of the tokens it names;
+    # while fewer than ``min_tokens`` tokens are out, end-of-sequence (unless ``ignore_eos``) and
+    # ``stop_token_ids`` cannot be sampled and no stop string ends in their text; then the penalties:
+    # a logit of a token seen in the prompt or the output is divided by ``repetition_penalty`` (if
+    # positive, else multiplied), and each output occurrence subtracts ``frequency_penalty``, any
+    # subtracts ``presence_penalty`` once. Greedy decoding takes the argmax of the adjusted logits;
+    # logprobs stay the model's raw ones
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (
@@ -68,6 +85,29 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} is {k!r}; allowed: None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise ValueError(f"{name} is {value!r}; allowed: a number in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}]")
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty is {self.repetition_penalty!r}; allowed: a number in (0, {MAX_REPETITION_PENALTY}]"
+            )
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens is {self.min_tokens!r}; allowed: an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens is {self.min_tokens}; allowed: an integer in [0, max_tokens] = [0, {self.max_tokens}]"
+            )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias is {self.logit_bias!r}; allowed: a dict of token id to bias, or None")
+            lo, hi = LOGIT_BIAS_RANGE
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    raise ValueError(f"logit_bias has token id {token!r}; allowed: an integer >= 0")
+                if not _number(bias) or not lo <= bias <= hi:
+                    raise ValueError(f"logit_bias of token {token} is {bias!r}; allowed: a number in [{lo}, {hi}]")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             raise ValueError(f"seed is {self.seed} with n {self.n}; allowed: seed + n - 1 <= {SEED_MAX}")
 
@@ -82,6 +122,22 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @cached_property
+    def penalizes(self) -> bool:
+        """Presence, frequency or repetition penalties apply: the sampler keeps a count of this
+        request's output tokens on the device."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @cached_property
+    def adjusts_logits(self) -> bool:
+        """The logits are changed before sampling (``min_tokens`` only while it is not reached)."""
+        return self.penalizes or bool(self.logit_bias) or self.min_tokens > 0
+
+    def first_token_only(self) -> SamplingParams:
+        """These parameters for the first output token alone (a disaggregated prefill server's
+        part): ``max_tokens`` 1, and ``min_tokens`` at most 1 (so that token is no end)."""
+        return replace(self, max_tokens=1, min_tokens=min(self.min_tokens, 1))
 
     @property
     def greedy(self) -> bool:

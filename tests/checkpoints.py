@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 CORPUS = [
@@ -103,3 +104,16 @@ def build_checkpoint(
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path, max_shard_size="200KB" if shard else "5GB")
     return path
+
+
+# engine configurations that split, preempt and overlap steps, or go through the front end
+SCHEDULING_SHAPES = pytest.mark.parametrize(
+    "config",
+    [
+        dict(page_size=4),
+        dict(page_size=3, chunked_prefill_size=8, disable_overlap_schedule=True),
+        dict(page_size=4, max_total_tokens=72, chunked_prefill_size=16),  # preempts and recomputes
+        dict(page_size=4, dp_size=2),  # through the workers and the front end
+    ],
+    ids=["page4", "chunk8-no-overlap", "preempt", "dp2"],
+)

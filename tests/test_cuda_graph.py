@@ -21,6 +21,25 @@ MIXED = [
     for i, p in enumerate(PARAMS)
 ]
 
+# logits adjusted before sampling (penalties, bias, min_tokens): those rows leave the graph's argmax
+ADJUSTED = [
+    SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        seed=p.seed,
+        max_tokens=p.max_tokens,
+        ignore_eos=True,
+        **[
+            dict(repetition_penalty=1.5, frequency_penalty=0.5),
+            dict(logit_bias={65: 3.0}),
+            dict(presence_penalty=1.0),
+            dict(min_tokens=3, stop_token_ids=[100]),
+            {},
+        ][i % 5],
+    )
+    for i, p in enumerate(MIXED)
+]
+
 
 def with_padded_decode(llm: LLM, max_bs: int) -> list[int]:
     eng = llm.engine
@@ -34,7 +53,9 @@ def with_padded_decode(llm: LLM, max_bs: int) -> list[int]:
     return used
 
 
-@pytest.mark.parametrize("max_bs, params", [(5, PARAMS), (8, PARAMS), (8, MIXED)], ids=["5", "8", "8-mixed"])
+@pytest.mark.parametrize(
+    "max_bs, params", [(5, PARAMS), (8, PARAMS), (8, MIXED), (8, ADJUSTED)], ids=["5", "8", "8-mixed", "8-adjusted"]
+)
 def test_padded_decode_path_gives_the_same_tokens(max_bs, params, kv_checked_steps):
     want = [o.token_ids for o in LLM("tiny", page_size=4).generate(PROMPTS, params, use_tqdm=False)]
     llm = LLM("tiny", page_size=4)
@@ -58,6 +79,18 @@ def test_cuda_graphs_match_eager_on_gpu():
     llm = LLM("tiny", device="cuda", page_size=16, cuda_graph_max_bs=32)
     assert llm.engine.runner.graphs.graphs  # captured
     assert [o.token_ids for o in llm.generate(PROMPTS * 5, MIXED * 5, use_tqdm=False)] == want
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_adjusted_logits_match_eager_on_gpu():
+    """Penalised rows count their tokens on the device across replays; the graph's argmax of
+    other rows stays theirs."""
+    params = (ADJUSTED + PARAMS) * 3
+    eager = LLM("tiny", device="cuda", page_size=16, disable_cuda_graph=True)
+    want = [o.token_ids for o in eager.generate(PROMPTS * 6, params, use_tqdm=False)]
+    eager.shutdown()
+    llm = LLM("tiny", device="cuda", page_size=16, cuda_graph_max_bs=32)
+    assert [o.token_ids for o in llm.generate(PROMPTS * 6, params, use_tqdm=False)] == want
     torch.cuda.synchronize()
 
 

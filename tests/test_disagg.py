@@ -168,6 +168,28 @@ def test_nixl_outputs_equal_a_single_server(pair, reference, decode_radix):
     pd.run_until(pd.idle)
 
 
+def test_adjusted_logits_across_the_pair_equal_a_single_server(pair, reference):
+    """Penalties, logit_bias and min_tokens: the prefill side adjusts the first token (its end
+    banned by min_tokens), the decode side counts that token in before its own."""
+    eos = 1  # the test checkpoint's
+    params = [
+        SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.6, frequency_penalty=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0, min_tokens=4, logit_bias={eos: 100.0}),
+        SamplingParams(max_tokens=8, temperature=0.9, seed=7, presence_penalty=1.5, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0, min_tokens=1, logit_bias={eos: 100.0}),
+    ]
+    prompts = PROMPTS[1:]
+    pd = pair()
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        pd.submit(f"r{i}", prompt, p)
+    keys = [f"d:r{i}" for i in range(len(prompts))]
+    pd.run_until(pd.done(*keys))
+    want = reference(prompts, params)
+    assert [pd.out[k]["tokens"] for k in keys] == want
+    assert want[1] == want[1][:4] + [eos] and want[3][1:] == [eos]
+    pd.run_until(pd.idle)
+
+
 def test_fake_backend_runs_the_queues_without_moving_data(pair, reference):
     pd = pair(backend="fake", decode_radix=False)
     for i, p in enumerate(PROMPTS):

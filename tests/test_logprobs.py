@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoints import build_checkpoint
+from checkpoints import SCHEDULING_SHAPES, build_checkpoint
 
 from minengine import LLM, Logprob, SamplingParams
 from minengine.logprobs import prompt_offline
@@ -74,19 +74,6 @@ def prompts_for(vocab: int) -> list[list[int]]:
     rng = random.Random()
     shared = [rng.randrange(4, vocab) for _ in range(23)]
     return [shared + [rng.randrange(4, vocab) for _ in range(n)] for n in (1, 9, 30)] + [[rng.randrange(4, vocab)]]
-
-
-# engine configurations that split, preempt and overlap steps, or go through the front end
-SCHEDULING_SHAPES = pytest.mark.parametrize(
-    "config",
-    [
-        dict(page_size=4),
-        dict(page_size=3, chunked_prefill_size=8, disable_overlap_schedule=True),
-        dict(page_size=4, max_total_tokens=72, chunked_prefill_size=16),  # preempts and recomputes
-        dict(page_size=4, dp_size=2),  # through the workers and the front end
-    ],
-    ids=["page4", "chunk8-no-overlap", "preempt", "dp2"],
-)
 
 
 @SCHEDULING_SHAPES

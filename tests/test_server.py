@@ -219,12 +219,17 @@ BAD = [
     # one call starts at most 2048 sequences, n at most 128 (a huge n used to stall the server)
     ({"prompt": "x", "n": 10_000_000}, "n"),
     ({"prompt": ["x"] * 17, "n": 128}, "n"),
-    # sampling fields of OpenAI / vLLM minengine does not implement: refused, never ignored
-    ({"prompt": "x", "logit_bias": {"65": 100}}, "logit_bias"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"prompt": "x", "min_tokens": 4}, "min_tokens"),
+    # logit adjustments out of their ranges
+    ({"prompt": "x", "logit_bias": {"65": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"10000": 1}}, "logit_bias"),  # past the tiny model's vocabulary
+    ({"prompt": "x", "logit_bias": {"65": "up"}}, "logit_bias"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_tokens": 17}, "min_tokens"),
     ({"prompt": "x", "min_tokens": False}, "min_tokens"),
+    # sampling fields of OpenAI / vLLM minengine does not implement: refused, never ignored
     ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
@@ -237,7 +242,11 @@ MESSAGES = [
     ({"prompt": "x", "max_tokens": 1.5}, "max_tokens is 1.5: input should be a valid integer"),
     ({"prompt": [1.5]}, "prompt is [1.5]; allowed: a string, a list of strings, a list of token ids, or a list of"),
     ({"prompt": "x", "stop": 5}, "stop is 5; allowed: a string or a list of strings"),
-    ({"prompt": "x", "logit_bias": {"65": 100}}, 'logit_bias is {"65": 100}; minengine does not support it'),
+    ({"prompt": "x", "suffix": "end"}, 'suffix is "end"; minengine does not support it'),
+    ({"prompt": "x", "logit_bias": {"65": 101}}, "logit_bias of token 65 is 101"),
+    ({"prompt": "x", "logit_bias": {"6x": 1}}, 'logit_bias has key "6x"; allowed: token ids (integers, as strings)'),
+    ({"prompt": "x", "logit_bias": {"10000": 1}}, "logit_bias token id 10000 is outside the vocabulary [0, 260)"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens is 5; allowed: an integer in [0, max_tokens]"),
 ]
 
 
@@ -260,7 +269,7 @@ def test_errors_name_the_value(server, body, message):
 
 
 def test_off_values_of_unsupported_fields_and_unknown_fields_pass(client):
-    extra = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "min_tokens": 0, "user": "me"}
+    extra = {"length_penalty": 1, "use_beam_search": False, "suffix": "", "user": "me"}
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=LONG | extra)
     assert out.usage.completion_tokens == 2
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, extra_body=LONG | {"best_of": 2})
@@ -355,6 +364,52 @@ def test_cached_tokens_count_each_prompt_once(client):
                 usage = client.completions.create(**kwargs).usage
             assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens
         assert usage.prompt_tokens_details.cached_tokens > 0  # the second time, the prompt was cached
+
+
+def test_penalties_logit_bias_and_min_tokens(client):
+    """The OpenAI fields and vLLM's give the offline LLM's tokens; a stop string cannot end in the
+    text of the first min_tokens tokens (the front end makes the text), streamed or not."""
+    from minengine import LLM, SamplingParams
+
+    fields = dict(frequency_penalty=0.8, presence_penalty=0.5, logit_bias={"65": 4.0, "100": -100})
+    extra = {"repetition_penalty": 1.3, "ignore_eos": True}
+    llm = LLM("tiny", page_size=4, max_total_tokens=256)
+    adjusted = SamplingParams(
+        temperature=0,
+        max_tokens=10,
+        frequency_penalty=0.8,
+        presence_penalty=0.5,
+        logit_bias={65: 4.0, 100: -100},
+        repetition_penalty=1.3,
+        ignore_eos=True,
+    )
+    (ref,) = llm.generate("penalties", adjusted, use_tqdm=False)
+    chat_prompt = llm.tokenizer.render_chat([{"role": "user", "content": "p"}])
+    chat_ids = llm.tokenizer.encode(chat_prompt, add_special_tokens=False)  # as the server encodes it
+    (chat_ref,) = llm.generate({"prompt_token_ids": chat_ids}, adjusted, use_tqdm=False)
+    (free,) = llm.generate("penalties", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    assert ref.token_ids != free.token_ids and 100 not in ref.token_ids
+    out = client.completions.create(
+        model=MODEL, prompt="penalties", max_tokens=10, temperature=0, **fields, extra_body=extra
+    )
+    assert out.choices[0].text == ref.text
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "p"}],
+        max_tokens=10,
+        temperature=0,
+        **fields,
+        extra_body=extra,
+    )
+    assert chat.choices[0].message.content == chat_ref.text
+    stop = free.text[:1]
+    held = dict(model=MODEL, prompt="penalties", max_tokens=10, temperature=0, stop=[stop], extra_body=LONG)
+    assert client.completions.create(**held).choices[0].text == ""
+    held["extra_body"] = LONG | {"min_tokens": 10}
+    out = client.completions.create(**held)
+    assert out.choices[0].text == free.text and out.choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in client.completions.create(**held, stream=True)) == free.text
 
 
 def test_a_stop_token_is_not_in_the_text(client):

@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
 
@@ -62,7 +61,7 @@ class PrefillDriver:
         except ValueError as exc:
             return [_failed(msg.rid, str(exc))]
         try:
-            self.engine.check_request(msg.prompt_ids, dataclasses.replace(msg.params, max_tokens=1))
+            self.engine.check_request(msg.prompt_ids, msg.params.first_token_only())
         except ValueError as exc:
             sender.fail(f"rejected by the prefill server: {exc}")
             self.closing.append((None, sender))
@@ -106,7 +105,7 @@ class PrefillDriver:
         for rid, (sender, msg) in list(self.bootstrap.items()):
             state = sender.poll()
             if state is KVPoll.WaitingForInput:  # the decode side is ready: compute
-                params = dataclasses.replace(msg.params, max_tokens=1)
+                params = msg.params.first_token_only()
                 self.live[rid] = (self.engine.add_request(msg.prompt_ids, params), sender)
                 del self.bootstrap[rid]
             elif state is KVPoll.Failed:

@@ -319,6 +319,7 @@ class Scheduler:
         """Release a running request: its full pages go to the prefix cache (or are freed), or
         with ``hold_kv_on_finish`` stay held for a KV transfer (see ``release_held``). A preempted
         request that its in-flight token finishes just leaves the queue."""
+        req.output_counts = req.prompt_seen = None  # its penalties' device memory (no step samples it again)
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, reason

@@ -10,10 +10,11 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -109,6 +110,11 @@ class _Sampling(_NullIsDefault):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's
+    min_tokens: int = 0  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     # vLLM's: per prompt token from the second on, its logprob and the top ones (a stream takes only 0, and sends none)
     prompt_logprobs: int | None = None
     stream: bool = False
@@ -243,12 +249,7 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 # means "off": any other value is a 400, never silently ignored. (Fields it does not know at all,
 # such as ``user``, are ignored, as vLLM ignores them.)
 _UNSUPPORTED = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "length_penalty": (1, 1.0),
-    "logit_bias": ({},),
-    "min_tokens": (0,),
     "use_beam_search": (False,),
     "skip_special_tokens": (True,),
     "suffix": ("",),
@@ -323,6 +324,11 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=asked if prompt_logprobs is None else prompt_logprobs,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            logit_bias=_logit_bias(req.logit_bias),
         )
     except ValueError as exc:
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
@@ -330,6 +336,17 @@ def sampling_params(
             message, field_name = max_tokens_field + message[len("max_tokens") :], max_tokens_field
         raise APIError(400, message, field_name) from None
     return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """The request's ``logit_bias`` keyed by token id (its JSON keys are the ids as strings)."""
+    if bias is None:
+        return None
+    bad = next((key for key in bias if not re.fullmatch(r"-?[0-9]+", key)), None)
+    if bad is not None:
+        why = f"logit_bias has key {_shown(bad)}; allowed: token ids (integers, as strings)"
+        raise APIError(400, why, "logit_bias")
+    return {int(key): value for key, value in bias.items()}
 
 
 def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
@@ -577,13 +594,13 @@ def _choices(
         )
     ready = state.client.ready
     # a prefill server computes the prompt and one token; the decode server holds the rest
-    checked = replace(params, max_tokens=1) if state.mode == "prefill" else params
+    checked = params.first_token_only() if state.mode == "prefill" else params
     for ids in prompts:
         try:
             check_prompt(ids, checked, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens)
         except ValueError as exc:
             message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
-            raise APIError(400, message, prompt_field) from None
+            raise APIError(400, message, "logit_bias" if message.startswith("logit_bias") else prompt_field) from None
     choices = []
     for i, ids in enumerate(prompts):
         text = None

@@ -1,0 +1,250 @@
+"""Logits adjusted before sampling, as vLLM adjusts them: ``logit_bias``, ``min_tokens`` and the
+repetition / frequency / presence penalties. Greedy outputs against a float64 transformers
+reference under scheduling shapes that split, preempt and overlap steps (and through the
+data-parallel front end); the sampler alone against the same reference; the stop-string rule of
+``min_tokens``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from checkpoints import SCHEDULING_SHAPES, build_checkpoint
+
+from minengine import LLM, SamplingParams
+from minengine.detokenizer import IncrementalDetokenizer
+from minengine.models.tiny import tiny_tokenizer
+from minengine.request import Request
+from minengine.sampler import Sampler
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
+
+
+def adjusted(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams, eos: set[int]):
+    """float64 reference of vLLM's adjustments of one position's logits [V], ``output`` the
+    tokens before it: bias, then the min_tokens ban, then the penalties."""
+    x = logits.double().clone()
+    for token, bias in (p.logit_bias or {}).items():
+        x[token] += bias
+    if len(output) < p.min_tokens:
+        for token in set(p.stop_token_ids or ()) | (set() if p.ignore_eos else eos):
+            x[token] = float("-inf")
+    vocab = x.shape[0]
+    counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=vocab).double()
+    seen = counts > 0
+    in_prompt = torch.zeros(vocab, dtype=torch.bool)
+    in_prompt[prompt] = True
+    r = p.repetition_penalty
+    x = torch.where(seen | in_prompt, torch.where(x > 0, x / r, x * r), x)
+    return x - p.frequency_penalty * counts - p.presence_penalty * seen.double()
+
+
+@torch.inference_mode()
+def check_greedy(model, prompt: list[int], output: list[int], p: SamplingParams, eos: set[int]) -> int:
+    """Each output token is the argmax (up to near ties) of the reference's adjusted logits given
+    the tokens before it. Returns how many positions the adjustment moved the argmax at."""
+    logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 :]
+    moved = 0
+    for pos, token in enumerate(output):
+        x = adjusted(logits[pos], prompt, output[:pos], p, eos)
+        assert x[token] >= x.max() - 1e-4, f"position {pos}: token {token} is not the argmax"
+        moved += int(logits[pos].argmax()) != int(x.argmax())
+    return moved
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    rng = random.Random()
+    shared = [rng.randrange(4, vocab) for _ in range(23)]
+    return [shared + [rng.randrange(4, vocab) for _ in range(n)] for n in (1, 9, 30)] + [[rng.randrange(4, vocab)]]
+
+
+@SCHEDULING_SHAPES
+def test_greedy_with_adjusted_logits_matches_a_float64_reference(checkpoint, hf_model, config):
+    vocab, eos = hf_model.config.vocab_size, {hf_model.config.eos_token_id}
+    rng = random.Random()
+    biased = {rng.randrange(4, vocab): 3.0, rng.randrange(4, vocab): -100.0, rng.randrange(4, vocab): 0.5}
+    params = [
+        SamplingParams(
+            max_tokens=14, temperature=0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.3
+        ),
+        SamplingParams(max_tokens=14, temperature=0, logit_bias=biased, frequency_penalty=-0.5, ignore_eos=True),
+        # the end token is the likeliest once biased: banned for 5 tokens, then it ends the output
+        SamplingParams(max_tokens=14, temperature=0, min_tokens=5, logit_bias={min(eos): 100.0}),
+        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),  # no adjustment, in the same batch
+    ]
+    prompts = prompts_for(vocab)
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", **config)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        # seeded sampling with penalties takes the same tokens alone as in a batch (its counts are its own)
+        sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=5, presence_penalty=1.5, ignore_eos=True, n=2)
+        batch = llm.generate(prompts, [sampled] * len(prompts), use_tqdm=False)
+        alone = llm.generate(prompts[:1], sampled, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    moved = 0
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        moved += check_greedy(hf_model, prompt, out.outputs[0].token_ids, p, eos)
+    assert moved, "the adjustments changed no token: the test checks nothing"
+    ended = outs[2].outputs[0]
+    assert ended.token_ids[-1] in eos and len(ended.token_ids) == 6 and ended.finish_reason == "stop"
+    assert [s.token_ids for s in alone[0].outputs] == [s.token_ids for s in batch[0].outputs]
+
+
+def request(prompt: list[int], output: list[int], p: SamplingParams) -> Request:
+    """A request being sampled: its next token is in flight (as after the scheduler's advance)."""
+    generator = None if p.seed is None else torch.Generator().manual_seed(p.seed)
+    req = Request(rid=0, prompt_ids=prompt, params=p, max_len=len(prompt) + len(output) + 8, generator=generator)
+    req.token_ids = prompt + output
+    req.num_inflight = 1
+    return req
+
+
+def test_sampler_adjusts_only_what_is_asked_and_counts_on_the_device():
+    """A batch of adjusted, plain greedy and sampled rows over several steps: greedy rows take the
+    reference's argmax, the raw logits (read for logprobs) and a graph's argmax buffer are left as
+    they were, and a row with nothing to adjust samples the same token as in a batch without the others."""
+    vocab, eos = 50, {1}
+    sampler = Sampler(torch.device("cpu"), seed=0, eos_token_ids=frozenset(eos))
+    rng = random.Random()
+    adjusting = [
+        SamplingParams(temperature=0, repetition_penalty=0.7, frequency_penalty=1.0, presence_penalty=-0.4),
+        SamplingParams(temperature=0, logit_bias={3: 2.0, 7: -1.5}, min_tokens=2, stop_token_ids=[9]),
+        SamplingParams(temperature=0, min_tokens=3),
+        SamplingParams(temperature=1.0, seed=3, presence_penalty=2.0),
+    ]
+    plain = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=11)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 6))] for _ in adjusting + plain]
+    reqs = [request(pr, [], p) for pr, p in zip(prompts, adjusting + plain, strict=True)]
+    alone = [request(pr, [], p) for pr, p in zip(prompts[len(adjusting) :], plain, strict=True)]
+    alone_sampler = Sampler(torch.device("cpu"), seed=0)
+    for _ in range(6):
+        logits = torch.randn(len(reqs), vocab) * 3
+        logits[:, 1] += 8  # the end token is the likeliest: min_tokens must ban it
+        raw, argmax = logits.clone(), logits.argmax(-1)
+        tokens = sampler(logits, reqs, greedy=argmax.clone()).tolist()
+        assert torch.equal(logits, raw)
+        alone_tokens = alone_sampler(raw[len(adjusting) :].clone(), alone).tolist()
+        assert tokens[len(adjusting) :] == alone_tokens
+        for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
+            x = adjusted(raw[i], req.prompt_ids, req.output_ids, req.params, eos)
+            if req.params.greedy:
+                assert x[token] >= x.max() - 1e-5
+            else:
+                assert x[token] > float("-inf")
+            if req.params.penalizes:
+                counts = torch.bincount(torch.tensor(req.output_ids + [token]), minlength=vocab)
+                assert torch.equal(req.output_counts, counts.int())
+        for req, token in zip(reqs + alone, tokens + alone_tokens, strict=True):
+            req.token_ids.append(token)
+    assert all(t != 1 for t in reqs[2].output_ids[:3]) and 1 in reqs[2].output_ids[3:]
+    assert 1 not in reqs[1].output_ids[:2]
+
+
+def test_counts_start_from_the_output_a_decode_server_was_handed():
+    """A disaggregated decode server's first token came from the prefill server: counted too."""
+    p = SamplingParams(temperature=0, frequency_penalty=2.0)
+    req = request([5, 6], [4], p)
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    logits = torch.zeros(1, 8)
+    logits[0, 4] = 1.5  # the likeliest, but already out once: 1.5 - 2 < 0
+    assert sampler(logits, [req]).tolist() == [0]
+    assert req.output_counts.tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(presence_penalty=2.5), "presence_penalty is 2.5; allowed: a number in [-2.0, 2.0]"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty is nan"),
+        (dict(repetition_penalty=0.0), "repetition_penalty is 0.0; allowed: a number in (0, 2.0]"),
+        (dict(min_tokens=-1), "min_tokens is -1; allowed: an integer >= 0"),
+        (dict(min_tokens=17), "min_tokens is 17; allowed: an integer in [0, max_tokens] = [0, 16]"),
+        (dict(min_tokens=True), "min_tokens is True"),
+        (dict(logit_bias={3: 101}), "logit_bias of token 3 is 101; allowed: a number in [-100.0, 100.0]"),
+        (dict(logit_bias={-3: 1.0}), "logit_bias has token id -3; allowed: an integer >= 0"),
+        (dict(logit_bias=[3]), "logit_bias is [3]"),
+    ],
+)
+def test_bad_adjustments_are_refused(kwargs, message):
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**kwargs)
+    assert str(exc.value).startswith(message)
+
+
+def test_a_logit_bias_token_outside_the_vocabulary_is_refused():
+    llm = LLM("tiny", page_size=4)
+    try:
+        vocab = llm.engine.model_config.vocab_size
+        with pytest.raises(ValueError, match=rf"logit_bias token id {vocab} is outside the vocabulary \[0, {vocab}\)"):
+            llm.generate(["x"], SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+        # a prefill server checks min_tokens against the one token it makes
+        assert SamplingParams(max_tokens=20, min_tokens=9).first_token_only().min_tokens == 1
+    finally:
+        llm.shutdown()
+
+
+def test_a_finished_request_gives_back_its_counts():
+    llm = LLM("tiny", page_size=4)
+    try:
+        p = SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.2, presence_penalty=0.5)
+        reqs = [llm.engine.add_request([5, 6, 7], p) for _ in range(2)]
+        llm.engine.step()
+        llm.engine.step()
+        assert all(r.output_counts is not None and r.prompt_seen is not None for r in reqs)
+        llm.engine.abort(reqs[0])
+        assert reqs[0].output_counts is None and reqs[0].prompt_seen is None
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        assert reqs[1].finished and reqs[1].output_counts is None and reqs[1].prompt_seen is None
+    finally:
+        llm.shutdown()
+
+
+TOK = tiny_tokenizer()
+
+
+@pytest.mark.parametrize(
+    ("stop", "min_tokens", "text"),
+    [
+        ("b", 0, "a"),
+        ("b", 4, "abca"),  # no stop string ends in the first min_tokens tokens' text
+        ("ca", 3, "ab"),  # one may begin there and end after it
+        ("ab", 12, "abcabcabcabc"),
+    ],
+)
+def test_min_tokens_keeps_stop_strings_from_ending_in_its_text(stop, min_tokens, text):
+    ids = TOK.encode("abc" * 4, add_special_tokens=False)
+    p = SamplingParams(stop=stop, min_tokens=min_tokens, max_tokens=20)
+    one = IncrementalDetokenizer.for_request(TOK, p, [])
+    out = "".join(one.add([t]) for t in ids) + one.finish()
+    together = IncrementalDetokenizer.for_request(TOK, p, [])  # tokens that arrive several at a time
+    out_together = together.add(ids[:2]) + together.add(ids[2:7]) + together.add(ids[7:]) + together.finish()
+    assert out == out_together == text
+    assert one.stopped == (text != "abc" * 4)
+
+
+def test_min_tokens_with_a_stop_string_offline():
+    llm = LLM("tiny", page_size=4)
+    try:
+        free = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        first = free[0].outputs[0].text[:1]
+        assert first, "the tiny model's greedy output starts with a character"
+        stop = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=first)
+        assert llm.generate(["abc"], stop, use_tqdm=False)[0].outputs[0].text == ""
+        held = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=first, min_tokens=8)
+        out = llm.generate(["abc"], held, use_tqdm=False)[0].outputs[0]
+        assert out.text == free[0].outputs[0].text and out.finish_reason == "length"
+    finally:
+        llm.shutdown()
