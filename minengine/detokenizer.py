@@ -75,9 +75,11 @@ class IncrementalDetokenizer:
         """Take new output tokens; returns the text that is now safe to hand out."""
         if self.stopped:
             return ""
-        short = self.min_tokens - self.num_output
-        if 0 < short < len(token_ids):  # the text at the min_tokens-th token bounds the stop search
-            return self.add(token_ids[:short]) + self.add(token_ids[short:])
+        if self.num_output < self.min_tokens and len(token_ids) > 1:
+            # one at a time up to the min_tokens-th: the text each has made bounds the stop search
+            # (as vLLM decodes them), also when a character spans tokens
+            short = self.min_tokens - self.num_output
+            return "".join(self.add([t]) for t in token_ids[:short]) + self.add(token_ids[short:])
         self.num_output += len(token_ids)
         special = self.tokenizer.special_ids
         self.ids += [t for t in token_ids if t not in special]

@@ -98,7 +98,8 @@ class Sampler:
         counts = torch.stack([req.output_counts for req in preqs])  # [p, V] int32
         seen = counts > 0
         if any(req.params.repetition_penalty != 1 for req in preqs):
-            none = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if any(req.prompt_seen is None for req in preqs):
+                none = torch.zeros(vocab, dtype=torch.bool, device=device)
             prompt = torch.stack([none if req.prompt_seen is None else req.prompt_seen for req in preqs])
             penalty = torch.where(seen | prompt, column([req.params.repetition_penalty for req in preqs], device), 1.0)
             x = torch.where(x > 0, x / penalty, x * penalty)

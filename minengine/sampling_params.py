@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -11,7 +12,6 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 MAX_LOGPROBS = 20
 # the range of presence_penalty and frequency_penalty, as in vLLM and the OpenAI API
 PENALTY_RANGE = (-2.0, 2.0)
-MAX_REPETITION_PENALTY = 2.0  # vLLM's; the lower bound is exclusive: (0, 2]
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # the OpenAI API's
 # temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one overflows
 GREEDY_TEMPERATURE = 1e-5
@@ -89,10 +89,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _number(value) or not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
                 raise ValueError(f"{name} is {value!r}; allowed: a number in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}]")
-        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(
-                f"repetition_penalty is {self.repetition_penalty!r}; allowed: a number in (0, {MAX_REPETITION_PENALTY}]"
-            )
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty is {self.repetition_penalty!r}; allowed: a finite number > 0")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens is {self.min_tokens!r}; allowed: an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

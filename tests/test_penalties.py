@@ -51,15 +51,20 @@ def adjusted(logits: torch.Tensor, prompt: list[int], output: list[int], p: Samp
 
 
 @torch.inference_mode()
-def check_greedy(model, prompt: list[int], output: list[int], p: SamplingParams, eos: set[int]) -> int:
+def check_greedy(model, prompt: list[int], out, p: SamplingParams, eos: set[int]) -> int:
     """Each output token is the argmax (up to near ties) of the reference's adjusted logits given
-    the tokens before it. Returns how many positions the adjustment moved the argmax at."""
+    the tokens before it; its logprob (if asked) is the raw one. Returns how many positions the
+    adjustment moved the argmax at."""
+    output = out.token_ids
     logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 :]
     moved = 0
     for pos, token in enumerate(output):
         x = adjusted(logits[pos], prompt, output[:pos], p, eos)
         assert x[token] >= x.max() - 1e-4, f"position {pos}: token {token} is not the argmax"
         moved += int(logits[pos].argmax()) != int(x.argmax())
+        if p.logprobs is not None:
+            raw = logits[pos].log_softmax(-1)[token].item()
+            assert out.logprobs[pos][token].logprob == pytest.approx(raw, abs=2e-4)
     return moved
 
 
@@ -75,8 +80,13 @@ def test_greedy_with_adjusted_logits_matches_a_float64_reference(checkpoint, hf_
     rng = random.Random()
     biased = {rng.randrange(4, vocab): 3.0, rng.randrange(4, vocab): -100.0, rng.randrange(4, vocab): 0.5}
     params = [
-        SamplingParams(
-            max_tokens=14, temperature=0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.3
+        SamplingParams(  # (its logprobs stay the model's raw ones)
+            max_tokens=14,
+            temperature=0,
+            repetition_penalty=1.8,
+            frequency_penalty=0.6,
+            presence_penalty=0.3,
+            logprobs=1,
         ),
         SamplingParams(max_tokens=14, temperature=0, logit_bias=biased, frequency_penalty=-0.5, ignore_eos=True),
         # the end token is the likeliest once biased: banned for 5 tokens, then it ends the output
@@ -95,7 +105,7 @@ def test_greedy_with_adjusted_logits_matches_a_float64_reference(checkpoint, hf_
         llm.shutdown()
     moved = 0
     for prompt, p, out in zip(prompts, params, outs, strict=True):
-        moved += check_greedy(hf_model, prompt, out.outputs[0].token_ids, p, eos)
+        moved += check_greedy(hf_model, prompt, out.outputs[0], p, eos)
     assert moved, "the adjustments changed no token: the test checks nothing"
     ended = outs[2].outputs[0]
     assert ended.token_ids[-1] in eos and len(ended.token_ids) == 6 and ended.finish_reason == "stop"
@@ -123,6 +133,7 @@ def test_sampler_adjusts_only_what_is_asked_and_counts_on_the_device():
         SamplingParams(temperature=0, logit_bias={3: 2.0, 7: -1.5}, min_tokens=2, stop_token_ids=[9]),
         SamplingParams(temperature=0, min_tokens=3),
         SamplingParams(temperature=1.0, seed=3, presence_penalty=2.0),
+        SamplingParams(temperature=0, min_tokens=3, ignore_eos=True),  # the end token is not banned
     ]
     plain = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=11)]
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 6))] for _ in adjusting + plain]
@@ -132,9 +143,11 @@ def test_sampler_adjusts_only_what_is_asked_and_counts_on_the_device():
     for _ in range(6):
         logits = torch.randn(len(reqs), vocab) * 3
         logits[:, 1] += 8  # the end token is the likeliest: min_tokens must ban it
+        logits[:, 9] += 7  # and the stop token id the next likeliest
         raw, argmax = logits.clone(), logits.argmax(-1)
-        tokens = sampler(logits, reqs, greedy=argmax.clone()).tolist()
-        assert torch.equal(logits, raw)
+        graph_argmax = argmax.clone()  # a CUDA graph's output buffer: adjusted rows take no token from it
+        tokens = sampler(logits, reqs, greedy=graph_argmax).tolist()
+        assert torch.equal(logits, raw) and torch.equal(graph_argmax, argmax)
         alone_tokens = alone_sampler(raw[len(adjusting) :].clone(), alone).tolist()
         assert tokens[len(adjusting) :] == alone_tokens
         for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
@@ -149,7 +162,8 @@ def test_sampler_adjusts_only_what_is_asked_and_counts_on_the_device():
         for req, token in zip(reqs + alone, tokens + alone_tokens, strict=True):
             req.token_ids.append(token)
     assert all(t != 1 for t in reqs[2].output_ids[:3]) and 1 in reqs[2].output_ids[3:]
-    assert 1 not in reqs[1].output_ids[:2]
+    assert not {1, 9} & set(reqs[1].output_ids[:2])
+    assert reqs[4].output_ids[0] == 1  # ignore_eos: min_tokens bans no end token
 
 
 def test_counts_start_from_the_output_a_decode_server_was_handed():
@@ -168,7 +182,8 @@ def test_counts_start_from_the_output_a_decode_server_was_handed():
     [
         (dict(presence_penalty=2.5), "presence_penalty is 2.5; allowed: a number in [-2.0, 2.0]"),
         (dict(frequency_penalty=float("nan")), "frequency_penalty is nan"),
-        (dict(repetition_penalty=0.0), "repetition_penalty is 0.0; allowed: a number in (0, 2.0]"),
+        (dict(repetition_penalty=0.0), "repetition_penalty is 0.0; allowed: a finite number > 0"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty is inf; allowed: a finite number > 0"),
         (dict(min_tokens=-1), "min_tokens is -1; allowed: an integer >= 0"),
         (dict(min_tokens=17), "min_tokens is 17; allowed: an integer in [0, max_tokens] = [0, 16]"),
         (dict(min_tokens=True), "min_tokens is True"),
@@ -222,10 +237,11 @@ TOK = tiny_tokenizer()
         ("b", 4, "abca"),  # no stop string ends in the first min_tokens tokens' text
         ("ca", 3, "ab"),  # one may begin there and end after it
         ("ab", 12, "abcabcabcabc"),
+        ("a", 3, "ba€"),  # the third token is the first byte of "€": its text is "ba"
     ],
 )
 def test_min_tokens_keeps_stop_strings_from_ending_in_its_text(stop, min_tokens, text):
-    ids = TOK.encode("abc" * 4, add_special_tokens=False)
+    ids = TOK.encode("ba€a" if "€" in text else "abc" * 4, add_special_tokens=False)
     p = SamplingParams(stop=stop, min_tokens=min_tokens, max_tokens=20)
     one = IncrementalDetokenizer.for_request(TOK, p, [])
     out = "".join(one.add([t]) for t in ids) + one.finish()
@@ -233,6 +249,9 @@ def test_min_tokens_keeps_stop_strings_from_ending_in_its_text(stop, min_tokens,
     out_together = together.add(ids[:2]) + together.add(ids[2:7]) + together.add(ids[7:]) + together.finish()
     assert out == out_together == text
     assert one.stopped == (text != "abc" * 4)
+    for cut in range(len(ids) + 1):  # any split of the tokens into two calls
+        d = IncrementalDetokenizer.for_request(TOK, p, [])
+        assert d.add(ids[:cut]) + d.add(ids[cut:]) + d.finish() == text
 
 
 def test_min_tokens_with_a_stop_string_offline():

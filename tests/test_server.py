@@ -233,6 +233,9 @@ BAD = [
     ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
+    ({"prompt": "x", "allowed_token_ids": [65, 66]}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": ["no"]}, "bad_words"),
+    ({"prompt": "x", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
 ]
 
 # (body, the message it must give): what was wrong, and with what value
@@ -247,6 +250,7 @@ MESSAGES = [
     ({"prompt": "x", "logit_bias": {"6x": 1}}, 'logit_bias has key "6x"; allowed: token ids (integers, as strings)'),
     ({"prompt": "x", "logit_bias": {"10000": 1}}, "logit_bias token id 10000 is outside the vocabulary [0, 260)"),
     ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens is 5; allowed: an integer in [0, max_tokens]"),
+    ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 'logit_bias has key "11111'),
 ]
 
 
@@ -269,7 +273,7 @@ def test_errors_name_the_value(server, body, message):
 
 
 def test_off_values_of_unsupported_fields_and_unknown_fields_pass(client):
-    extra = {"length_penalty": 1, "use_beam_search": False, "suffix": "", "user": "me"}
+    extra = {"length_penalty": 1, "use_beam_search": False, "suffix": "", "bad_words": [], "user": "me"}
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=LONG | extra)
     assert out.usage.completion_tokens == 2
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, extra_body=LONG | {"best_of": 2})
@@ -410,6 +414,14 @@ def test_penalties_logit_bias_and_min_tokens(client):
     out = client.completions.create(**held)
     assert out.choices[0].text == free.text and out.choices[0].finish_reason == "length"
     assert "".join(c.choices[0].text for c in client.completions.create(**held, stream=True)) == free.text
+    why = r"min_tokens is 5; allowed: an integer in \[0, max_completion_tokens\] = \[0, 4\]"
+    with pytest.raises(openai.BadRequestError, match=why):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "p"}],
+            max_completion_tokens=4,
+            extra_body={"min_tokens": 5},
+        )
 
 
 def test_a_stop_token_is_not_in_the_text(client):

@@ -420,6 +420,7 @@ class Scheduler:
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is; a running one releases its pages at once."""
+        req.output_counts = req.prompt_seen = None
         if req in self.receiving:
             self.drop_receiving(req)
         elif req.status is Status.RUNNING:

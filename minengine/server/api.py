@@ -260,6 +260,11 @@ _UNSUPPORTED = {
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
+    "structured_outputs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "logits_processors": (),
+    "truncate_prompt_tokens": (),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -334,6 +339,8 @@ def sampling_params(
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
         if field_name == "max_tokens" and max_tokens_field != "max_tokens":
             message, field_name = max_tokens_field + message[len("max_tokens") :], max_tokens_field
+        elif field_name == "min_tokens":  # its bound, as the request named it
+            message = message.replace("max_tokens]", f"{max_tokens_field}]")
         raise APIError(400, message, field_name) from None
     return params
 
@@ -342,7 +349,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """The request's ``logit_bias`` keyed by token id (its JSON keys are the ids as strings)."""
     if bias is None:
         return None
-    bad = next((key for key in bias if not re.fullmatch(r"-?[0-9]+", key)), None)
+    bad = next((key for key in bias if not re.fullmatch(r"-?[0-9]{1,18}", key)), None)
     if bad is not None:
         why = f"logit_bias has key {_shown(bad)}; allowed: token ids (integers, as strings)"
         raise APIError(400, why, "logit_bias")
