@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,11 @@ SCHEDULING_SHAPES = pytest.mark.parametrize(
     ],
     ids=["page4", "chunk8-no-overlap", "preempt", "dp2"],
 )
+
+
+def prompts_for(vocab: int) -> list[list[int]]:
+    """Fresh random prompts: three that share a 23-token prefix (1, 9 and 30 tokens after it),
+    and a one-token prompt."""
+    rng = random.Random()
+    shared = [rng.randrange(4, vocab) for _ in range(23)]
+    return [shared + [rng.randrange(4, vocab) for _ in range(n)] for n in (1, 9, 30)] + [[rng.randrange(4, vocab)]]

@@ -132,3 +132,19 @@ def kernels(request):
         cuda.use_emulator(False)
         return
     yield ops.get_kernels(request.param, "cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random-weight Qwen3 checkpoint, one per test module (a module may define its own)."""
+    from checkpoints import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    """``checkpoint`` in transformers, in float64: the reference."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()

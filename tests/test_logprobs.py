@@ -4,12 +4,11 @@ steps, offline and through the data-parallel workers' front end."""
 
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 import pytest
 import torch
-from checkpoints import SCHEDULING_SHAPES, build_checkpoint
+from checkpoints import SCHEDULING_SHAPES, prompts_for
 
 from minengine import LLM, Logprob, SamplingParams
 from minengine.logprobs import prompt_offline
@@ -18,18 +17,6 @@ from minengine.runner import token_logprobs
 from minengine.scheduler.scheduler import Scheduler
 
 K = 4
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
-
-
-@pytest.fixture(scope="module")
-def hf_model(checkpoint):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
 
 
 @torch.inference_mode()
@@ -68,12 +55,6 @@ def check_output(out, ref: torch.Tensor, k: int, tokenizer) -> None:
     for pos, (token, step) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         total += check_step(step, token, ref[pos], k, tokenizer)
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-6)
-
-
-def prompts_for(vocab: int) -> list[list[int]]:
-    rng = random.Random()
-    shared = [rng.randrange(4, vocab) for _ in range(23)]
-    return [shared + [rng.randrange(4, vocab) for _ in range(n)] for n in (1, 9, 30)] + [[rng.randrange(4, vocab)]]
 
 
 @SCHEDULING_SHAPES

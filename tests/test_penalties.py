@@ -10,25 +10,13 @@ import random
 
 import pytest
 import torch
-from checkpoints import SCHEDULING_SHAPES, build_checkpoint
+from checkpoints import SCHEDULING_SHAPES, prompts_for
 
 from minengine import LLM, SamplingParams
 from minengine.detokenizer import IncrementalDetokenizer
 from minengine.models.tiny import tiny_tokenizer
 from minengine.request import Request
 from minengine.sampler import Sampler
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3")
-
-
-@pytest.fixture(scope="module")
-def hf_model(checkpoint):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
 
 
 def adjusted(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams, eos: set[int]):
@@ -66,12 +54,6 @@ def check_greedy(model, prompt: list[int], out, p: SamplingParams, eos: set[int]
             raw = logits[pos].log_softmax(-1)[token].item()
             assert out.logprobs[pos][token].logprob == pytest.approx(raw, abs=2e-4)
     return moved
-
-
-def prompts_for(vocab: int) -> list[list[int]]:
-    rng = random.Random()
-    shared = [rng.randrange(4, vocab) for _ in range(23)]
-    return [shared + [rng.randrange(4, vocab) for _ in range(n)] for n in (1, 9, 30)] + [[rng.randrange(4, vocab)]]
 
 
 @SCHEDULING_SHAPES
