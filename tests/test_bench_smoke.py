@@ -164,6 +164,14 @@ def test_bench_host_step_smoke(tmp_path):
     assert "| 4 | stop strings |" in (tmp_path / "host_step_smoke.md").read_text()
 
 
+def test_bench_sampler_smoke(tmp_path):
+    bench = load_bench("bench_sampler")
+    report = bench.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)])
+    assert [(r["rows"], r["case"]) for r in report["rows"]] == [(n, c) for n in (2, 4) for c in bench.CASES]
+    assert report["copy_gbps"] > 0 and all(r["ms"] > 0 and r["logits_passes"] > 0 for r in report["rows"])
+    assert "| 4 | all three penalties |" in (tmp_path / "sampler_smoke.md").read_text()
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_bench_decode_roofline_reads_only_the_batch_rows_of_an_untied_embedding(tied):
     bench = load_bench("bench_decode")
