@@ -117,3 +117,12 @@ def publish(out_dir: Path, prefix: str, report: dict, markdown: str) -> dict:
     save(out_dir, stem(prefix, report), report, markdown)
     print(markdown)
     return report
+
+
+def require_positive(parser, args, *names: str) -> None:
+    """``parser.error`` unless every named option (a number, or the smallest of a list) is >= 1."""
+    for name in names:
+        value = getattr(args, name)
+        least = min(value) if isinstance(value, list) else value
+        if least < 1:
+            parser.error(f"--{name.replace('_', '-')} {least}; allowed: 1 or more")

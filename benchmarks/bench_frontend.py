@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, publish
+from _common import RESULTS, header, publish, require_positive
 from _common import report as make_report
 
 
@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         args.streams, args.steps, args.step_ms = 8, 10, [1.0]
-    for name in ("streams", "steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}; allowed: 1 or more")
+    require_positive(parser, args, "streams", "steps")
     if min(args.step_ms) <= 0 or args.send_us < 0:
         parser.error(f"--step-ms {min(args.step_ms)} / --send-us {args.send_us}; allowed: > 0 / >= 0")
     rows = []

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, publish, save, stem
+from _common import RESULTS, header, publish, require_positive, save, stem
 from _common import report as make_report
 
 PHASES = ("schedule", "prepare", "launch", "commit", "send")
@@ -167,11 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         args.batch, args.steps, args.repeats, args.warmup = [1, 4], 5, 2, 2
-    for name in ("steps", "repeats", "warmup", "prompt_len"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}; allowed: 1 or more")
-    if min(args.batch) < 1:
-        parser.error(f"--batch {min(args.batch)}; allowed: 1 or more")
+    require_positive(parser, args, "steps", "repeats", "warmup", "prompt_len", "batch")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     make = lambda: make_report(argv, "bench_host_step", torch.device(device), args, rows, cpus=os.cpu_count())  # noqa: E731

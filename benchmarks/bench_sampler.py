@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, publish, save, stem
+from _common import RESULTS, header, publish, require_positive, save, stem
 from _common import report as make_report
 
 from minengine.request import Request
@@ -112,11 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         args.rows, args.vocab, args.calls, args.repeats = [2, 4], 512, 2, 2
-    for name in ("vocab", "calls", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}; allowed: 1 or more")
-    if min(args.rows) < 1:
-        parser.error(f"--rows {min(args.rows)}; allowed: 1 or more")
+    require_positive(parser, args, "rows", "vocab", "calls", "repeats")
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     gbps = copy_bandwidth(device, args.calls, args.repeats)
     rows = []

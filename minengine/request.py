@@ -108,7 +108,7 @@ class Request:
     @property
     def num_output_sampled(self) -> int:
         """Output tokens sampled so far, those in flight included."""
-        return len(self.token_ids) + self.num_inflight - len(self.prompt_ids)
+        return self.num_tokens - len(self.prompt_ids)
 
     @property
     def prefilling(self) -> bool:

@@ -26,7 +26,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int, eos_token_ids: frozenset[int] = frozenset()):
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
-        self.eos_token_ids = sorted(eos_token_ids)  # banned while ``min_tokens`` is not reached
+        self.eos_token_ids = frozenset(eos_token_ids)  # banned while ``min_tokens`` is not reached
 
     def request_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(self.device).manual_seed(seed)
@@ -75,17 +75,15 @@ class Sampler:
                 cells.append((j, token))
                 bias.append(b)
         if cells:
-            where = to_device(itertools.chain.from_iterable(cells), torch.int64, device, count=2 * len(cells))
-            logits.index_put_(tuple(where.view(-1, 2).t()), to_device(bias, torch.float32, device), accumulate=True)
+            logits.index_put_(_indices(cells, device), to_device(bias, torch.float32, device), accumulate=True)
         banned = []
         for j, req in enumerate(reqs):
             p = req.params
             if req.num_output_sampled <= p.min_tokens:  # (this step's token counts as sampled)
-                ends = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                banned += ((j, t) for t in sorted(ends) if t < vocab)
+                ends = set(p.stop_token_ids or ()) if p.ignore_eos else self.eos_token_ids.union(p.stop_token_ids or ())
+                banned += ((j, t) for t in ends if t < vocab)
         if banned:
-            where = to_device(itertools.chain.from_iterable(banned), torch.int64, device, count=2 * len(banned))
-            logits.index_put_(tuple(where.view(-1, 2).t()), logits.new_full((len(banned),), float("-inf")))
+            logits.index_put_(_indices(banned, device), logits.new_full((len(banned),), float("-inf")))
         penalised = [j for j, req in enumerate(reqs) if req.params.penalizes]
         if not penalised:
             return logits, None
@@ -131,6 +129,12 @@ class Sampler:
             tokens = tokens.index_select(0, to_device(rows, torch.int64, tokens.device))
         counts.scatter_add_(1, tokens[:, None], torch.ones_like(counts[:, :1]))
         torch._foreach_copy_([req.output_counts for req in preqs], list(counts.unbind(0)))
+
+
+def _indices(cells: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs as ``index_put_``'s indices: the rows and the tokens, on the device."""
+    where = to_device(itertools.chain.from_iterable(cells), torch.int64, device, count=2 * len(cells))
+    return tuple(where.view(-1, 2).t())
 
 
 def _adjusts(req: Request) -> bool:

@@ -420,7 +420,6 @@ class Scheduler:
 
     def abort(self, req: Request) -> None:
         """Drop a request wherever it is; a running one releases its pages at once."""
-        req.output_counts = req.prompt_seen = None
         if req in self.receiving:
             self.drop_receiving(req)
         elif req.status is Status.RUNNING:
@@ -431,6 +430,7 @@ class Scheduler:
             if req in self.waiting:
                 self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
+            req.output_counts = req.prompt_seen = None  # a preempted one's (``finish`` drops the others')
 
     def accounting(self) -> dict[str, int]:
         """Where every KV page is: free, held by running requests, held only by the prefix cache."""
