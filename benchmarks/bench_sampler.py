@@ -1,5 +1,6 @@
 """The sampler's cost per step: plain greedy and sampled rows against rows whose logits are
-adjusted first (``logit_bias``, ``min_tokens``, the repetition / frequency / presence penalties).
+adjusted first (``allowed_token_ids``, ``bad_words``, ``logit_bias``, ``min_tokens``, the
+repetition / frequency / presence penalties).
 
 One call of ``Sampler`` on a decode batch of ``rows`` requests, each with a 200-token prompt and 100
 output tokens, float32 logits [rows, vocab]. Per case: the median ms per call, its ratio to plain
@@ -30,6 +31,9 @@ CASES = {
     "sampled (top_p 0.9)": SamplingParams(temperature=0.8, top_p=0.9),
     "logit_bias (4 tokens)": SamplingParams(temperature=0, logit_bias={5: 1.0, 6: -1.0, 7: 2.0, 8: -100.0}),
     "min_tokens (ends banned)": SamplingParams(temperature=0, min_tokens=1000, max_tokens=1000),
+    "allowed_token_ids (64 tokens)": SamplingParams(temperature=0, allowed_token_ids=list(range(100, 164))),
+    # tokenized as BAD_WORDS (the sampler reads the tokens; no tokenizer here)
+    "bad_words (8: 1 to 4 tokens)": SamplingParams(temperature=0, bad_words=["w"] * 8),
     "presence + frequency": SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.5),
     "all three penalties": SamplingParams(
         temperature=0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5
@@ -40,12 +44,17 @@ CASES = {
 }
 
 
+BAD_WORDS = ((11,), (12, 13), (14, 15), (16, 17, 18), (19, 20, 21), (22, 23, 24, 25), (26, 13), (27, 28))
+
+
 def requests(n: int, params: SamplingParams, vocab: int) -> list[Request]:
     """Decode requests in flight (as the sampler sees them after the scheduler's advance)."""
     reqs = []
     for i in range(n):
         prompt = [(7 * i + 13 * j) % vocab for j in range(200)]
-        req = Request(rid=i, prompt_ids=prompt, params=params, max_len=2000)
+        req = Request(
+            rid=i, prompt_ids=prompt, params=params, max_len=2000, bad_words_ids=BAD_WORDS * bool(params.bad_words)
+        )
         req.token_ids += [(11 * i + 17 * j) % vocab for j in range(100)]
         req.num_inflight = 1
         reqs.append(req)

@@ -2,7 +2,8 @@
 
 Text grows as tokens arrive, decoded over a short window (not the whole output each time) and
 only at complete characters (a trailing U+FFFD means a multi-byte character is still arriving).
-Special tokens (which decoding skips) never enter the window, and a long run of invalid bytes,
+Special tokens (which decoding skips, unless ``skip_special_tokens`` is False) never enter the
+window, and a long run of invalid bytes,
 whose U+FFFD never completes, is committed a few tokens behind the newest once its text is
 stable, so the window stays short and the work per token bounded whatever the model emits.
 With stop strings, the last ``max(len(stop)) - 1`` characters are held back, so no piece of a
@@ -40,8 +41,10 @@ class IncrementalDetokenizer:
         prompt_ids: list[int] = (),
         include_stop: bool = False,
         min_tokens: int = 0,
+        skip_special_tokens: bool = True,
     ):
         self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop
         self.min_tokens = min_tokens
@@ -58,7 +61,14 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_request(cls, tokenizer: Tokenizer, params: SamplingParams, prompt_ids: list[int]) -> IncrementalDetokenizer:
-        return cls(tokenizer, params.stop_strings, prompt_ids, params.include_stop_str_in_output, params.min_tokens)
+        return cls(
+            tokenizer,
+            params.stop_strings,
+            prompt_ids,
+            params.include_stop_str_in_output,
+            params.min_tokens,
+            params.skip_special_tokens,
+        )
 
     def _context(self, prompt_ids: list[int]) -> list[int]:
         """The shortest tail of the prompt (at least _CONTEXT_MIN tokens where it has them) that
@@ -81,8 +91,11 @@ class IncrementalDetokenizer:
             short = self.min_tokens - self.num_output
             return "".join(self.add([t]) for t in token_ids[:short]) + self.add(token_ids[short:])
         self.num_output += len(token_ids)
-        special = self.tokenizer.special_ids
-        self.ids += [t for t in token_ids if t not in special]
+        if self.skip_special:
+            special = self.tokenizer.special_ids
+            self.ids += [t for t in token_ids if t not in special]
+        else:
+            self.ids += token_ids
         self._decode(final=False)
         return self._emit(final=False)
 
@@ -93,7 +106,11 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _decode(self, final: bool) -> None:
-        decode = self.tokenizer.decode
+        skip = self.skip_special
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip)
+
         prefix = decode(self.ids[self._prefix_offset : self._read_offset])
         window = decode(self.ids[self._prefix_offset :])
         if len(window) > len(prefix) and (final or not window.endswith(_INCOMPLETE)):

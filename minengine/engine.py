@@ -23,6 +23,7 @@ from minengine.sampler import Sampler
 from minengine.sampling_params import SamplingParams
 from minengine.scheduler import Scheduler
 from minengine.scheduler.prefill_delayer import DelayerConfig, PrefillDelayer
+from minengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
@@ -67,10 +68,30 @@ def resolve_max_tokens(
     return dataclasses.replace(params, max_tokens=generation_room(len(prompt_ids), context_length, kv_capacity))
 
 
+def truncate_prompt(prompt_ids: list[int], k: int | None, context_length: int) -> list[int]:
+    """The prompt's last ``k`` tokens (``SamplingParams.truncate_prompt_tokens``; -1: the context
+    length's worth), as vLLM truncates it; the prompt itself for None or when it is short enough."""
+    if k is None:
+        return prompt_ids
+    if k > context_length:
+        raise ValueError(
+            f"truncate_prompt_tokens is {k}; allowed: -1 (the context length) or 1..{context_length} "
+            "(the context length)"
+        )
+    k = context_length if k == -1 else k
+    return prompt_ids[-k:] if len(prompt_ids) > k else prompt_ids
+
+
 def check_prompt(
-    prompt_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int, kv_capacity: int
+    prompt_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    context_length: int,
+    kv_capacity: int,
+    tokenizer: Tokenizer,
 ) -> None:
-    """Raise ValueError if a request is malformed or can never fit; the message names the values."""
+    """Raise ValueError if a request is malformed or can never fit; the message names the values.
+    ``tokenizer`` tokenizes its ``bad_words``."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     bad = next(
@@ -81,6 +102,10 @@ def check_prompt(
     bad = next((t for t in params.logit_bias or () if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.allowed_token_ids or () if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"allowed_token_ids has token id {bad}, outside the vocabulary [0, {vocab_size})")
+    params.bad_words_token_ids(tokenizer, vocab_size)
     total = len(prompt_ids) + params.max_tokens
     for limit, what in ((context_length, "the context length"), (kv_capacity, "the KV cache capacity of")):
         if total > limit:
@@ -202,6 +227,7 @@ class Engine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request is malformed or can never fit."""
+        prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.context_length)
         if self.config.disaggregation_mode != "null":
             # the prefill server samples the first token: the decode server never sees its logprobs
             # (and a prefill server hands on no prompt logprobs)
@@ -211,7 +237,8 @@ class Engine:
                         f"{name} is {getattr(params, name)}; with prefill/decode disaggregation allowed: None"
                     )
         params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
-        check_prompt(prompt_ids, params, self.model_config.vocab_size, self.context_length, self.kv_capacity_tokens)
+        vocab = self.model_config.vocab_size
+        check_prompt(prompt_ids, params, vocab, self.context_length, self.kv_capacity_tokens, self.tokenizer)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         req = self.new_request(prompt_ids, params)
@@ -223,6 +250,8 @@ class Engine:
         layers split ``n`` with ``SamplingParams.per_sequence``."""
         if params.n != 1:
             raise ValueError(f"n is {params.n}; a request runs one sequence (split it with per_sequence())")
+        # (the front ends truncated it already: truncating it again changes nothing)
+        prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.context_length)
         params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
         self.check_request(prompt_ids, params)
         return Request(
@@ -232,6 +261,7 @@ class Engine:
             max_len=len(prompt_ids) + params.max_tokens,
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
             detok=IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids) if self.detokenize else None,
+            bad_words_ids=params.bad_words_token_ids(self.tokenizer, self.model_config.vocab_size),
         )
 
     def abort(self, req: Request) -> None:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from minengine.config import EngineConfig
 from minengine.detokenizer import stop_reason
-from minengine.engine import Engine, check_prompt, resolve_max_tokens
+from minengine.engine import Engine, check_prompt, resolve_max_tokens, truncate_prompt
 from minengine.logprobs import Logprob, output_logprobs, prompt_offline
 from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
@@ -119,6 +119,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}; expected SamplingParams")
             try:
+                ids[i] = p_ids = truncate_prompt(p_ids, p.truncate_prompt_tokens, r.context_length)
                 params[i] = p = resolve_max_tokens(p_ids, p, r.context_length, r.kv_capacity_tokens)
                 self._check(p_ids, p)
             except ValueError as exc:
@@ -174,7 +175,7 @@ class LLM:
             self.engine.check_request(prompt_ids, params)
         else:
             r = self._workers.ready
-            check_prompt(prompt_ids, params, r.vocab_size, r.context_length, r.kv_capacity_tokens)
+            check_prompt(prompt_ids, params, r.vocab_size, r.context_length, r.kv_capacity_tokens, self.tokenizer)
 
     def _generate_here(self, ids, params, bar) -> list[tuple]:
         reqs = [self.engine.new_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]

@@ -53,6 +53,11 @@ class Request:
     # marks of the prompt's tokens. They live with the request (a preempted one keeps them) until it finishes
     output_counts: torch.Tensor | None = None
     prompt_seen: torch.Tensor | None = None
+    # ``params.bad_words`` tokenized (``SamplingParams.bad_words_token_ids``); with one of two or more
+    # tokens, the sampler keeps the output's last tokens on the device ([longest - 1] int64, -1
+    # before the first), made and freed as ``output_counts`` is
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    output_tail: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -15,10 +15,11 @@ decided on host values, and a batch where no request asks for it pays nothing.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 
-from minengine.memory.kv_pool import to_device
+from minengine.memory.kv_pool import to_device, to_device_packed
 from minengine.request import Request
 
 
@@ -44,10 +45,10 @@ class Sampler:
         adjusted: the argmax is taken again). Decisions use host values only, so sampling never
         waits for the device."""
         adjusted = [i for i, r in enumerate(reqs) if r.params.adjusts_logits and _adjusts(r)]
-        counted = None
+        state = None
         if adjusted:  # new logits: the raw ones stay for logprobs (and a graph's buffer untouched)
             index = to_device(adjusted, torch.int64, logits.device)
-            rows_logits, counted = self._adjust(logits.index_select(0, index), [reqs[i] for i in adjusted], adjusted)
+            rows_logits, state = self._adjust(logits.index_select(0, index), [reqs[i] for i in adjusted], adjusted)
             logits, greedy = logits.index_copy(0, index, rows_logits), None
         tokens = logits.argmax(-1) if greedy is None else greedy
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -60,15 +61,21 @@ class Sampler:
                 if reqs[i].generator is not None:
                     noise[j].exponential_(generator=reqs[i].generator)
             tokens.index_copy_(0, index, (probs / noise).argmax(-1))
-        if counted is not None:
-            self._count(tokens, *counted)
+        if state is not None:
+            self._record(tokens, state)
         return tokens
 
-    def _adjust(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> tuple[torch.Tensor, tuple | None]:
+    def _adjust(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> tuple[torch.Tensor, _State | None]:
         """``logits`` [k, V] of ``reqs`` (a copy: changed in place), rows ``rows`` of the batch,
-        adjusted for sampling; and what ``_count`` needs to add the sampled tokens to the penalised
-        requests' counts (None: none penalised)."""
+        adjusted for sampling; and the device state ``_record`` adds the sampled tokens to (None:
+        no request keeps any)."""
         device, vocab = logits.device, logits.shape[-1]
+        limited = [j for j, req in enumerate(reqs) if req.params.allowed_token_ids is not None]
+        if limited:  # every token but the allowed ones to -inf: one pass over those rows
+            where = _indices([(j, t) for j in limited for t in reqs[j].params.allowed_token_ids], device)
+            kept = logits[where]
+            logits.index_fill_(0, to_device(limited, torch.int64, device), float("-inf"))
+            logits.index_put_(where, kept)
         cells, bias = [], []  # (row, token) pairs
         for j, req in enumerate(reqs):
             for token, b in (req.params.logit_bias or {}).items():
@@ -76,40 +83,82 @@ class Sampler:
                 bias.append(b)
         if cells:
             logits.index_put_(_indices(cells, device), to_device(bias, torch.float32, device), accumulate=True)
-        banned = []
+        banned, tailed = [], []
         for j, req in enumerate(reqs):
             p = req.params
             if req.num_output_sampled <= p.min_tokens:  # (this step's token counts as sampled)
                 ends = set(p.stop_token_ids or ()) if p.ignore_eos else self.eos_token_ids.union(p.stop_token_ids or ())
                 banned += ((j, t) for t in ends if t < vocab)
+            banned += ((j, ids[0]) for ids in req.bad_words_ids if len(ids) == 1)
+            if any(len(ids) > 1 for ids in req.bad_words_ids):
+                tailed.append(j)
         if banned:
             logits.index_put_(_indices(banned, device), logits.new_full((len(banned),), float("-inf")))
+        state = _State()
+        if tailed:
+            self._ban_word_ends(logits, [reqs[j] for j in tailed], tailed, state)
+            state.tailed_rows = [rows[j] for j in tailed]
         penalised = [j for j, req in enumerate(reqs) if req.params.penalizes]
-        if not penalised:
-            return logits, None
-        preqs = [reqs[j] for j in penalised]
-        for req in preqs:
+        if penalised:
+            logits = self._penalize(logits, [reqs[j] for j in penalised], penalised, state)
+            state.counted_rows = [rows[j] for j in penalised]
+        return logits, state if tailed or penalised else None
+
+    def _ban_word_ends(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], state: _State) -> None:
+        """For each bad word of two or more tokens of ``reqs`` (rows ``rows`` of ``logits``): its last
+        token to -inf where the request's output ends in the tokens before it. Compared on the
+        device, with each request's output tail (``Request.output_tail``), which ``_record`` moves on."""
+        device = logits.device
+        for req in reqs:
+            if req.output_tail is None:
+                width = max(map(len, req.bad_words_ids)) - 1
+                known = req.output_ids[-width:]  # (a decode server's first token: the prefill server's)
+                req.output_tail = to_device([-1] * (width - len(known)) + known, torch.int64, self.device)
+        tails = [req.output_tail for req in reqs]
+        where, expected, word_of, ends = [], [], [], []  # per prefix token: its place in ``flat``, value, word
+        offset = 0
+        for j, req in zip(rows, reqs, strict=True):
+            offset += req.output_tail.shape[0]
+            for ids in req.bad_words_ids:
+                if len(ids) > 1:
+                    where += range(offset - len(ids) + 1, offset)
+                    expected += ids[:-1]
+                    word_of += [len(ends)] * (len(ids) - 1)
+                    ends.append((j, ids[-1]))
+        flat = torch.cat(tails)
+        where_d, expected_d, word_of_d = to_device_packed([where, expected, word_of], torch.int64, device)
+        differ = torch.zeros(len(ends), dtype=torch.int32, device=device)
+        differ.index_add_(0, word_of_d, (flat[where_d] != expected_d).int())
+        # added, so that two words ending in one token (one matched, one not) cannot undo each other
+        ban = torch.where(differ == 0, float("-inf"), 0.0)
+        logits.index_put_(_indices(ends, device), ban, accumulate=True)
+        state.tails, state.flat_tails = tails, flat
+
+    def _penalize(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], state: _State) -> torch.Tensor:
+        """The repetition, frequency and presence penalties of ``reqs`` (rows ``rows`` of ``logits``),
+        from their output counts on the device."""
+        device, vocab = logits.device, logits.shape[-1]
+        for req in reqs:
             if req.output_counts is None:
                 self._start_counts(req, vocab)
-        index = to_device(penalised, torch.int64, device) if len(penalised) < len(reqs) else None
+        index = to_device(rows, torch.int64, device) if len(rows) < logits.shape[0] else None
         x = logits if index is None else logits.index_select(0, index)
-        counts = torch.stack([req.output_counts for req in preqs])  # [p, V] int32
+        counts = torch.stack([req.output_counts for req in reqs])  # [p, V] int32
         seen = counts > 0
-        if any(req.params.repetition_penalty != 1 for req in preqs):
-            if any(req.prompt_seen is None for req in preqs):
+        if any(req.params.repetition_penalty != 1 for req in reqs):
+            if any(req.prompt_seen is None for req in reqs):
                 none = torch.zeros(vocab, dtype=torch.bool, device=device)
-            prompt = torch.stack([none if req.prompt_seen is None else req.prompt_seen for req in preqs])
-            penalty = torch.where(seen | prompt, column([req.params.repetition_penalty for req in preqs], device), 1.0)
+            prompt = torch.stack([none if req.prompt_seen is None else req.prompt_seen for req in reqs])
+            penalty = torch.where(seen | prompt, column([req.params.repetition_penalty for req in reqs], device), 1.0)
             x = torch.where(x > 0, x / penalty, x * penalty)
-        if any(req.params.frequency_penalty != 0 for req in preqs):
-            x = x - column([req.params.frequency_penalty for req in preqs], device) * counts
-        if any(req.params.presence_penalty != 0 for req in preqs):
-            x = x - column([req.params.presence_penalty for req in preqs], device) * seen
+        if any(req.params.frequency_penalty != 0 for req in reqs):
+            x = x - column([req.params.frequency_penalty for req in reqs], device) * counts
+        if any(req.params.presence_penalty != 0 for req in reqs):
+            x = x - column([req.params.presence_penalty for req in reqs], device) * seen
+        state.counted, state.counts = reqs, counts
         if index is None:
-            logits = x
-        else:
-            logits.index_copy_(0, index, x)
-        return logits, (preqs, counts, [rows[j] for j in penalised])
+            return x
+        return logits.index_copy_(0, index, x)
 
     def _start_counts(self, req: Request, vocab: int) -> None:
         """The request's first token here: count the output it already has (a disaggregated decode
@@ -122,13 +171,44 @@ class Sampler:
             req.prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
             req.prompt_seen.index_fill_(0, to_device(req.prompt_ids, torch.int64, self.device), True)
 
-    def _count(self, tokens: torch.Tensor, preqs: list[Request], counts: torch.Tensor, rows: list[int]) -> None:
-        """Add the tokens sampled for ``preqs`` (rows ``rows`` of ``tokens``) to their counts
-        (``counts``: theirs stacked), on the device."""
-        if len(rows) < tokens.shape[0]:
-            tokens = tokens.index_select(0, to_device(rows, torch.int64, tokens.device))
-        counts.scatter_add_(1, tokens[:, None], torch.ones_like(counts[:, :1]))
-        torch._foreach_copy_([req.output_counts for req in preqs], list(counts.unbind(0)))
+    def _record(self, tokens: torch.Tensor, state: _State) -> None:
+        """Add the sampled ``tokens`` to the device state of the requests ``_adjust`` found: the
+        penalised ones' counts, and the output tails of those with bad words; on the device."""
+        if state.counted_rows:
+            mine = _rows(tokens, state.counted_rows)
+            state.counts.scatter_add_(1, mine[:, None], torch.ones_like(state.counts[:, :1]))
+            torch._foreach_copy_([req.output_counts for req in state.counted], list(state.counts.unbind(0)))
+        if state.tailed_rows:
+            shift, end = [], state.flat_tails.shape[0]  # each tail without its first token, then the new one
+            offset = 0
+            for k, tail in enumerate(state.tails):
+                shift += range(offset + 1, offset + tail.shape[0])
+                shift.append(end + k)
+                offset += tail.shape[0]
+            moved = torch.cat([state.flat_tails, _rows(tokens, state.tailed_rows)])
+            moved = moved.index_select(0, to_device(shift, torch.int64, tokens.device))
+            torch._foreach_copy_(state.tails, list(moved.split([t.shape[0] for t in state.tails])))
+
+
+@dataclass
+class _State:
+    """What ``Sampler._adjust`` leaves for ``Sampler._record``: of the penalised requests, their
+    batch rows and counts stacked; of those with bad words, their batch rows, output tails and those
+    concatenated."""
+
+    counted_rows: list[int] = field(default_factory=list)
+    counted: list[Request] = field(default_factory=list)
+    counts: torch.Tensor | None = None
+    tailed_rows: list[int] = field(default_factory=list)
+    tails: list[torch.Tensor] = field(default_factory=list)
+    flat_tails: torch.Tensor | None = None
+
+
+def _rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``tokens`` [S] at batch rows ``rows`` (all of it when they are all the rows, in order)."""
+    if len(rows) == tokens.shape[0]:  # (rows are in order, each once)
+        return tokens
+    return tokens.index_select(0, to_device(rows, torch.int64, tokens.device))
 
 
 def _indices(cells: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +220,13 @@ def _indices(cells: list[tuple[int, int]], device: torch.device) -> tuple[torch.
 def _adjusts(req: Request) -> bool:
     """Its logits are adjusted in this step (it is being sampled: its token is counted)."""
     p = req.params
-    return p.penalizes or bool(p.logit_bias) or req.num_output_sampled <= p.min_tokens
+    return (
+        p.penalizes
+        or bool(p.logit_bias)
+        or p.allowed_token_ids is not None
+        or bool(req.bad_words_ids)
+        or req.num_output_sampled <= p.min_tokens
+    )
 
 
 def column(values: list[float], device: torch.device) -> torch.Tensor:

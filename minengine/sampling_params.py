@@ -13,6 +13,9 @@ MAX_LOGPROBS = 20
 # the range of presence_penalty and frequency_penalty, as in vLLM and the OpenAI API
 PENALTY_RANGE = (-2.0, 2.0)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # the OpenAI API's
+# at most this many bad words a request, and tokens in all their tokenizations together (vLLM's
+# model runner caps the second at 1024 too): each step compares the output's tail with them
+MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024
 # temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one overflows
 GREEDY_TEMPERATURE = 1e-5
 
@@ -30,6 +33,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # sequences per prompt; sequence j samples with seed + j (with a seed)
     include_stop_str_in_output: bool = False
+    # False: special tokens (``<|im_end|>``, ...) are in the output text too, as vLLM's; the token
+    # that ends the output stays out of it either way, unless ``include_stop_str_in_output``
+    skip_special_tokens: bool = True
     # per output token: the sampled token's log-probability and rank, and the ``logprobs`` most
     # likely tokens' (None: none). Of the model's raw distribution, before temperature and the
     # top-k / top-p / min-p filters, as vLLM's default ``raw_logprobs``
@@ -50,6 +56,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    # As vLLM, before the rest: only ``allowed_token_ids`` can be sampled (None: any token); and no
+    # output has a ``bad_words`` word in it as tokenized. Each word is tokenized as it would begin a
+    # text and after a space (``bad_words_token_ids``), and the last token of a tokenization is
+    # banned whenever the output (not the prompt) ends in the tokens before it
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context length takes)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (
@@ -76,7 +90,7 @@ class SamplingParams:
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"stop_token_ids is {self.stop_token_ids!r}; allowed: a list of integers")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
@@ -106,6 +120,29 @@ class SamplingParams:
                     raise ValueError(f"logit_bias has token id {token!r}; allowed: an integer >= 0")
                 if not _number(bias) or not lo <= bias <= hi:
                     raise ValueError(f"logit_bias of token {token} is {bias!r}; allowed: a number in [{lo}, {hi}]")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, list)
+            or not allowed
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed)
+        ):
+            raise ValueError(
+                f"allowed_token_ids is {allowed!r:.80}; allowed: None or a non-empty list of token ids (integers >= 0)"
+            )
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+                raise ValueError(
+                    f"bad_words is {words!r:.80}; allowed: None or a list of at most {MAX_BAD_WORDS} strings"
+                )
+            bad = next((w for w in words if not isinstance(w, str) or not w.strip()), None)
+            if bad is not None:
+                raise ValueError(f"bad_words has {bad!r:.80}; allowed: strings with a character that is not a space")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+            raise ValueError(
+                f"truncate_prompt_tokens is {k!r}; allowed: None, -1 (the context length) or an integer >= 1"
+            )
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             raise ValueError(f"seed is {self.seed} with n {self.n}; allowed: seed + n - 1 <= {SEED_MAX}")
 
@@ -130,12 +167,40 @@ class SamplingParams:
     @cached_property
     def adjusts_logits(self) -> bool:
         """The logits are changed before sampling (``min_tokens`` only while it is not reached)."""
-        return self.penalizes or bool(self.logit_bias) or self.min_tokens > 0
+        return (
+            self.penalizes
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
 
     def first_token_only(self) -> SamplingParams:
         """These parameters for the first output token alone (a disaggregated prefill server's
         part): ``max_tokens`` 1, and ``min_tokens`` at most 1 (so that token is no end)."""
         return replace(self, max_tokens=1, min_tokens=min(self.min_tokens, 1))
+
+    def bad_words_token_ids(self, tokenizer, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+        """``bad_words`` tokenized by ``tokenizer`` (no special tokens), as vLLM does: each word
+        without its leading spaces, then after one space where that gives other tokens of the same
+        number. ValueError if a token is outside the model's vocabulary [0, ``vocab_size``) or the
+        tokenizations take more than ``MAX_BAD_WORD_TOKENS`` tokens together."""
+        out: list[tuple[int, ...]] = []
+        for word in self.bad_words or ():
+            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not alone or not spaced:
+                raise ValueError(f"bad_words has {word!r:.80}, which the tokenizer makes no tokens of")
+            out.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):  # a word that begins with its own space
+                out.append(spaced)
+        bad = next((t for ids in out for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"bad_words token id {bad} is outside the vocabulary [0, {vocab_size})")
+        total = sum(map(len, out))
+        if total > MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"bad_words take {total} tokens; allowed: at most {MAX_BAD_WORD_TOKENS}")
+        return tuple(out)
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import string
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,13 @@ def prompts_for(vocab: int) -> list[list[int]]:
     rng = random.Random()
     shared = [rng.randrange(4, vocab) for _ in range(23)]
     return [shared + [rng.randrange(4, vocab) for _ in range(n)] for n in (1, 9, 30)] + [[rng.randrange(4, vocab)]]
+
+
+def doubled_letter(tokenizer) -> tuple[str, int]:
+    """A letter that is one token and, twice, two of that token: the word of it twice is a bad word
+    of two tokens."""
+    for c in string.ascii_letters:
+        (token,) = ids = tokenizer.encode(c, add_special_tokens=False) or [None]
+        if len(ids) == 1 and tokenizer.encode(c + c, add_special_tokens=False) == [token, token]:
+            return c, token
+    raise AssertionError("the tokenizer merges every doubled letter")

@@ -21,7 +21,8 @@ MIXED = [
     for i, p in enumerate(PARAMS)
 ]
 
-# logits adjusted before sampling (penalties, bias, min_tokens): those rows leave the graph's argmax
+# logits adjusted before sampling (penalties, bias, min_tokens, bad words, allowed tokens): those rows
+# leave the graph's argmax
 ADJUSTED = [
     SamplingParams(
         temperature=p.temperature,
@@ -35,7 +36,9 @@ ADJUSTED = [
             dict(presence_penalty=1.0),
             dict(min_tokens=3, stop_token_ids=[100]),
             {},
-        ][i % 5],
+            dict(bad_words=["aa", "q"], logit_bias={97: 6.0}),  # "a" is 97: taken, but never twice in a row
+            dict(allowed_token_ids=[32, *range(97, 123)]),
+        ][i % 7],
     )
     for i, p in enumerate(MIXED)
 ]

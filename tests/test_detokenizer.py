@@ -32,6 +32,21 @@ def test_pieces_join_to_the_full_decode():
         assert "".join(pieces) == TOK.decode(ids) == d.text
 
 
+def test_special_tokens_are_in_the_text_when_not_skipped():
+    """skip_special_tokens=False: the same pieces-join-to-the-full-decode rule, special tokens in;
+    stop strings find them too."""
+    rng = random.Random()
+    for _ in range(200):
+        ids = random_ids(rng)
+        d = IncrementalDetokenizer(TOK, skip_special_tokens=False)
+        pieces = [d.add(ids[i : i + 3]) for i in range(0, len(ids), 3)] + [d.finish()]
+        assert "".join(pieces) == TOK.decode(ids, skip_special_tokens=False) == d.text
+    ids = TOK.encode("ab", add_special_tokens=False) + [258, *TOK.encode("cd", add_special_tokens=False)]
+    assert IncrementalDetokenizer(TOK).add(ids) == "abcd"
+    d = IncrementalDetokenizer(TOK, stop=("start|>",), skip_special_tokens=False)
+    assert d.add(ids) + d.finish() == "ab<|im_" and d.stop_string == "start|>"
+
+
 def test_multibyte_character_waits_until_complete():
     d = IncrementalDetokenizer(TOK)
     emoji = list("🚀".encode())
@@ -65,22 +80,23 @@ def test_hold_back_is_released_at_finish():
     assert d.finish() == "ef" and not d.stopped
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-special", "keep-special"])
 @pytest.mark.parametrize("run", [[0x83], [0xE6, 0x9D], [256, 258], [0xF0, 0x9F, 0x9A]])
-def test_work_per_token_stays_bounded(run):
+def test_work_per_token_stays_bounded(run, skip):
     # invalid bytes (lone, or a character's start without its end) and special tokens, for ever:
     # each decode call sees a short window, not the whole output so far
     class Counting:
         special_ids, seen = TOK.special_ids, []
 
-        def decode(self, ids):
+        def decode(self, ids, skip_special_tokens=True):
             self.seen.append(len(ids))
-            return TOK.decode(ids)
+            return TOK.decode(ids, skip_special_tokens=skip_special_tokens)
 
     tok = Counting()
     ids = PIECES + run * 1000 + PIECES
-    d = IncrementalDetokenizer(tok)
+    d = IncrementalDetokenizer(tok, skip_special_tokens=skip)
     streamed = "".join(d.add([t]) for t in ids) + d.finish()
-    assert streamed == TOK.decode(ids)
+    assert streamed == TOK.decode(ids, skip_special_tokens=skip)
     assert max(tok.seen) <= 2 * (_PENDING + len(PIECES)) < len(ids) / 5
 
 

@@ -11,13 +11,14 @@ import pytest
 
 pytest.importorskip("nixl")  # before the imports below, which need the server stack (pyzmq) too
 
-from checkpoints import build_checkpoint
+from checkpoints import build_checkpoint, doubled_letter
 
 from minengine import LLM, SamplingParams
 from minengine.config import EngineConfig
 from minengine.disagg import transfer
 from minengine.disagg.servers import DecodeDriver, PrefillDriver
 from minengine.engine import Engine
+from minengine.models import load_tokenizer
 from minengine.server.protocol import AddRequest, Bootstrap, FailRoom
 from minengine.server.workers import free_port
 
@@ -168,17 +169,20 @@ def test_nixl_outputs_equal_a_single_server(pair, reference, decode_radix):
     pd.run_until(pd.idle)
 
 
-def test_adjusted_logits_across_the_pair_equal_a_single_server(pair, reference):
-    """Penalties, logit_bias and min_tokens: the prefill side adjusts the first token (its end
-    banned by min_tokens), the decode side counts that token in before its own."""
+def test_adjusted_logits_across_the_pair_equal_a_single_server(pair, reference, ckpt):
+    """Penalties, logit_bias, min_tokens and bad words: the prefill side adjusts the first token
+    (its end banned by min_tokens), the decode side counts that token in before its own, and its
+    output tail starts with it (a bad word of that token twice bans it at once)."""
     eos = 1  # the test checkpoint's
+    letter, token = doubled_letter(load_tokenizer(ckpt))
     params = [
         SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.6, frequency_penalty=1.0, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0, min_tokens=4, logit_bias={eos: 100.0}),
         SamplingParams(max_tokens=8, temperature=0.9, seed=7, presence_penalty=1.5, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0, min_tokens=1, logit_bias={eos: 100.0}),
+        SamplingParams(max_tokens=8, temperature=0, bad_words=[letter * 2], logit_bias={token: 100.0}, ignore_eos=True),
     ]
-    prompts = PROMPTS[1:]
+    prompts = PROMPTS
     pd = pair()
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         pd.submit(f"r{i}", prompt, p)
@@ -187,6 +191,7 @@ def test_adjusted_logits_across_the_pair_equal_a_single_server(pair, reference):
     want = reference(prompts, params)
     assert [pd.out[k]["tokens"] for k in keys] == want
     assert want[1] == want[1][:4] + [eos] and want[3][1:] == [eos]
+    assert want[4][::2] == [token] * 4 and token not in want[4][1::2]
     pd.run_until(pd.idle)
 
 

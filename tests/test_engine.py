@@ -124,6 +124,14 @@ def test_sampling_params_list_must_match(llm):
         (dict(n=True), "n is True"),
         (dict(seed=2**64 - 2, n=3), rf"seed is {2**64 - 2} with n 3; allowed: seed \+ n - 1 <= {2**64 - 1}"),
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output is 1; allowed: True or False"),
+        (dict(skip_special_tokens=None), "skip_special_tokens is None; allowed: True or False"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens is 0; allowed: None, -1 .* or an integer >= 1"),
+        (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens is -2"),
+        (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens is True"),
+        (dict(allowed_token_ids=[]), r"allowed_token_ids is \[\]; allowed: None or a non-empty list"),
+        (dict(allowed_token_ids=[3, -1]), r"allowed_token_ids is \[3, -1\]"),
+        (dict(bad_words="no"), "bad_words is 'no'; allowed: None or a list of at most 128 strings"),
+        (dict(bad_words=["no", ""]), "bad_words has ''; allowed: strings with a character that is not a space"),
     ],
 )
 def test_sampling_params_validation(kwargs, message):
@@ -313,6 +321,25 @@ def test_text_is_decoded_once_without_stop_strings(llm):
     never_added = engine.new_request(llm.tokenizer.encode("x"), SamplingParams(max_tokens=2))
     engine.abort(never_added)  # made but never queued: it just ends
     assert never_added.finished and never_added.finish_reason == "abort"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    """vLLM's truncate_prompt_tokens: the last k tokens are the prompt (its output, its ids, its
+    cache), -1 the context length's worth; a k past the context length is refused."""
+    prompt = list(range(60, 90))
+    out = gen(llm, prompt, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=10)
+    want = gen(llm, prompt[-10:], max_tokens=6, ignore_eos=True)
+    assert out.prompt_token_ids == prompt[-10:] and out.token_ids == want.token_ids
+    assert gen(llm, prompt, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=-1).prompt_token_ids == prompt
+    assert gen(llm, prompt, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=30).prompt_token_ids == prompt
+    engine = llm.engine
+    req = engine.add_request(prompt, SamplingParams(max_tokens=2, truncate_prompt_tokens=4))
+    assert req.prompt_ids == prompt[-4:]  # the engine's own API truncates too
+    while engine.has_unfinished():
+        engine.step()
+    k = engine.context_length + 1
+    with pytest.raises(ValueError, match=rf"truncate_prompt_tokens is {k}; allowed: -1 .* or 1..{k - 1}"):
+        gen(llm, prompt, truncate_prompt_tokens=k)
 
 
 def test_max_tokens_gives_length(llm):

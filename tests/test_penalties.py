@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from checkpoints import SCHEDULING_SHAPES, prompts_for
+from checkpoints import SCHEDULING_SHAPES, doubled_letter, prompts_for
 
 from minengine import LLM, SamplingParams
 from minengine.detokenizer import IncrementalDetokenizer
@@ -19,10 +19,25 @@ from minengine.request import Request
 from minengine.sampler import Sampler
 
 
-def adjusted(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams, eos: set[int]):
+def adjusted(
+    logits: torch.Tensor,
+    prompt: list[int],
+    output: list[int],
+    p: SamplingParams,
+    eos: set[int],
+    bad_words: tuple[tuple[int, ...], ...] = (),
+):
     """float64 reference of vLLM's adjustments of one position's logits [V], ``output`` the
-    tokens before it: bias, then the min_tokens ban, then the penalties."""
+    tokens before it: only the allowed tokens; the bad words' last tokens where the output ends in
+    the rest of them (``bad_words``: tokenized); bias; the min_tokens ban; the penalties."""
     x = logits.double().clone()
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(x.shape[0], dtype=torch.bool)
+        keep[p.allowed_token_ids] = True
+        x[~keep] = float("-inf")
+    for ids in bad_words:
+        if len(output) >= len(ids) - 1 and output[len(output) - len(ids) + 1 :] == list(ids[:-1]):
+            x[ids[-1]] = float("-inf")
     for token, bias in (p.logit_bias or {}).items():
         x[token] += bias
     if len(output) < p.min_tokens:
@@ -39,7 +54,7 @@ def adjusted(logits: torch.Tensor, prompt: list[int], output: list[int], p: Samp
 
 
 @torch.inference_mode()
-def check_greedy(model, prompt: list[int], out, p: SamplingParams, eos: set[int]) -> int:
+def check_greedy(model, prompt: list[int], out, p: SamplingParams, eos: set[int], bad_words=()) -> int:
     """Each output token is the argmax (up to near ties) of the reference's adjusted logits given
     the tokens before it; its logprob (if asked) is the raw one. Returns how many positions the
     adjustment moved the argmax at."""
@@ -47,7 +62,7 @@ def check_greedy(model, prompt: list[int], out, p: SamplingParams, eos: set[int]
     logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 :]
     moved = 0
     for pos, token in enumerate(output):
-        x = adjusted(logits[pos], prompt, output[:pos], p, eos)
+        x = adjusted(logits[pos], prompt, output[:pos], p, eos, bad_words)
         assert x[token] >= x.max() - 1e-4, f"position {pos}: token {token} is not the argmax"
         moved += int(logits[pos].argmax()) != int(x.argmax())
         if p.logprobs is not None:
@@ -94,6 +109,61 @@ def test_greedy_with_adjusted_logits_matches_a_float64_reference(checkpoint, hf_
     assert [s.token_ids for s in alone[0].outputs] == [s.token_ids for s in batch[0].outputs]
 
 
+def occurs(word: tuple[int, ...], ids: list[int]) -> bool:
+    return any(tuple(ids[i : i + len(word)]) == word for i in range(len(ids) - len(word) + 1))
+
+
+@SCHEDULING_SHAPES
+def test_allowed_tokens_and_bad_words_match_a_float64_reference(checkpoint, hf_model, config):
+    """A token biased to be taken every time, with the word of it twice banned, alternates; a
+    single-token bad word is never taken even when biased; allowed_token_ids confine the output;
+    with the other adjustments and with seeded sampling too."""
+    vocab, eos = hf_model.config.vocab_size, {hf_model.config.eos_token_id}
+    prompts = prompts_for(vocab)
+    llm = LLM(str(checkpoint), device="cpu", dtype="float32", **config)
+    try:
+        letter, token = doubled_letter(llm.tokenizer)
+        (single,) = llm.tokenizer.encode("e", add_special_tokens=False)
+        allowed = random.Random().sample(range(vocab), 12)
+        params = [
+            SamplingParams(
+                max_tokens=12, temperature=0, ignore_eos=True, bad_words=[letter * 2, "e"], logit_bias={token: 100}
+            ),
+            SamplingParams(max_tokens=12, temperature=0, allowed_token_ids=allowed, logprobs=1),
+            SamplingParams(
+                max_tokens=12,
+                temperature=0,
+                ignore_eos=True,
+                bad_words=[letter * 2],
+                allowed_token_ids=sorted({token, *allowed}),
+                presence_penalty=0.4,
+                logit_bias={token: 50, single: 50},
+            ),
+            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),  # nothing adjusted, in the same batch
+        ]
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        sampled = SamplingParams(
+            max_tokens=10, temperature=0.9, seed=3, bad_words=[letter * 2], logit_bias={token: 8}, n=2, ignore_eos=True
+        )
+        batch = llm.generate(prompts, [sampled] * len(prompts), use_tqdm=False)
+        alone = llm.generate(prompts[1:2], sampled, use_tqdm=False)
+        bad = [p.bad_words_token_ids(llm.tokenizer, vocab) for p in params]
+    finally:
+        llm.shutdown()
+    assert (token, token) in bad[0] and (single,) in bad[0]
+    moved = 0
+    for prompt, p, out, ids in zip(prompts, params, outs, bad, strict=True):
+        moved += check_greedy(hf_model, prompt, out, p, eos, ids)
+        assert not any(occurs(word, out.token_ids) for word in ids)
+    assert moved
+    assert outs[0].token_ids[::2] == [token] * 6 and token not in outs[0].token_ids[1::2]  # banned after itself
+    assert single not in outs[0].token_ids and outs[2].token_ids.count(token) == 6
+    assert set(outs[1].token_ids) <= set(allowed) and set(outs[2].token_ids) <= {token, *allowed}
+    assert [s.token_ids for s in alone[0].outputs] == [s.token_ids for s in batch[1].outputs]
+    assert not any(occurs((token, token), s.token_ids) for o in batch for s in o.outputs)
+    assert any(token in s.token_ids for o in batch for s in o.outputs)
+
+
 def request(prompt: list[int], output: list[int], p: SamplingParams) -> Request:
     """A request being sampled: its next token is in flight (as after the scheduler's advance)."""
     generator = None if p.seed is None else torch.Generator().manual_seed(p.seed)
@@ -124,8 +194,10 @@ def test_sampler_adjusts_only_what_is_asked_and_counts_on_the_device():
     alone_sampler = Sampler(torch.device("cpu"), seed=0)
     for _ in range(6):
         logits = torch.randn(len(reqs), vocab) * 3
-        logits[:, 1] += 8  # the end token is the likeliest: min_tokens must ban it
-        logits[:, 9] += 7  # and the stop token id the next likeliest
+        # in the adjusted rows, the end token is the likeliest by far (min_tokens must ban it), the
+        # stop token id next
+        logits[: len(adjusting), 1] += 30
+        logits[: len(adjusting), 9] += 20
         raw, argmax = logits.clone(), logits.argmax(-1)
         graph_argmax = argmax.clone()  # a CUDA graph's output buffer: adjusted rows take no token from it
         tokens = sampler(logits, reqs, greedy=graph_argmax).tolist()
@@ -143,9 +215,46 @@ def test_sampler_adjusts_only_what_is_asked_and_counts_on_the_device():
                 assert torch.equal(req.output_counts, counts.int())
         for req, token in zip(reqs + alone, tokens + alone_tokens, strict=True):
             req.token_ids.append(token)
-    assert all(t != 1 for t in reqs[2].output_ids[:3]) and 1 in reqs[2].output_ids[3:]
+    assert reqs[2].output_ids[:4] == [9, 9, 9, 1]  # its end banned for 3 tokens
     assert not {1, 9} & set(reqs[1].output_ids[:2])
-    assert reqs[4].output_ids[0] == 1  # ignore_eos: min_tokens bans no end token
+    assert reqs[4].output_ids[:3] == [1, 1, 1]  # ignore_eos: min_tokens bans no end token
+
+
+def test_bad_word_ends_are_banned_on_the_device_step_by_step():
+    """Words of one to four tokens, two of them ending in the same token; logits that push the
+    output into them: a word's last token is banned exactly when the output ends in the rest (the
+    prompt does not count), each request's output tail moves on with its sampled token on the
+    device, and a decode server's first token (sampled elsewhere) starts it."""
+    vocab = 12
+    words = ((3,), (4, 5), (6, 4, 5), (7, 8, 9, 5))  # (4, 5) and (7, 8, 9, 5) both end in 5
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    p = SamplingParams(temperature=0, bad_words=["(tokenized below)"])
+    limited = SamplingParams(temperature=0, allowed_token_ids=[2, 5, 9])
+    rng = random.Random()
+    reqs = [request([4, 7, 8, 9], [], p), request([1], [6], p), request([2], [], limited), request([2], [], p)]
+    for req in (reqs[0], reqs[1], reqs[3]):
+        req.bad_words_ids = words
+    for step in range(40):
+        logits = torch.randn(len(reqs), vocab)
+        for row, req in enumerate(reqs):  # the likeliest: the next token of a word the output has begun
+            out, word = req.output_ids, rng.choice(words)
+            done = max(k for k in range(len(word)) if out[len(out) - k :] == list(word[:k]))
+            logits[row, word[done]] += 6
+        if step == 0:
+            logits[0, 5] += 20  # the prompt ends in 4: (4, 5) may still begin the output with 5
+        raw = logits.clone()
+        tokens = sampler(logits, reqs).tolist()
+        for row, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
+            ids = req.bad_words_ids
+            x = adjusted(raw[row], req.prompt_ids, req.output_ids, req.params, set(), ids)
+            assert x[token] >= x.max() - 1e-6, f"step {step}, row {row}: {token} is not the reference's argmax"
+            req.token_ids.append(token)
+            if ids:
+                out = req.output_ids
+                assert req.output_tail.tolist() == ([-1] * 3 + out)[-3:]  # on the device, moved on
+                assert not any(occurs(w, out) for w in ids)
+    assert reqs[0].output_ids[0] == 5
+    assert reqs[2].output_tail is None and set(reqs[2].output_ids) <= {2, 5, 9}
 
 
 def test_counts_start_from_the_output_a_decode_server_was_handed():

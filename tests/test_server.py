@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from unittest.mock import ANY
 
@@ -233,9 +234,16 @@ BAD = [
     ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "suffix": "end"}, "suffix"),
-    ({"prompt": "x", "allowed_token_ids": [65, 66]}, "allowed_token_ids"),
-    ({"prompt": "x", "bad_words": ["no"]}, "bad_words"),
-    ({"prompt": "x", "truncate_prompt_tokens": 2}, "truncate_prompt_tokens"),
+    # vLLM's allowed_token_ids and bad_words out of their ranges
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [65, 260]}, "allowed_token_ids"),  # past the tiny model's vocabulary
+    ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": "no"}, "bad_words"),
+    ({"prompt": "x", "bad_words": ["no", " "]}, "bad_words"),
+    ({"prompt": "x", "bad_words": ["w"] * 129}, "bad_words"),
+    ({"prompt": "x", "bad_words": ["w" * 1025]}, "bad_words"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": 100_000}, "truncate_prompt_tokens"),  # past the context length
 ]
 
 # (body, the message it must give): what was wrong, and with what value
@@ -251,6 +259,14 @@ MESSAGES = [
     ({"prompt": "x", "logit_bias": {"10000": 1}}, "logit_bias token id 10000 is outside the vocabulary [0, 260)"),
     ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens is 5; allowed: an integer in [0, max_tokens]"),
     ({"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 'logit_bias has key "11111'),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids is []; allowed: None or a non-empty list"),
+    (
+        {"prompt": "x", "allowed_token_ids": [65, 260]},
+        "allowed_token_ids has token id 260, outside the vocabulary [0, 260)",
+    ),
+    ({"prompt": "x", "bad_words": ["ok", "\t"]}, "bad_words has '\\t'; allowed: strings with a character that is not"),
+    ({"prompt": "x", "bad_words": ["w"] * 129}, "bad_words is ['w', 'w'"),
+    ({"prompt": "x", "bad_words": ["w" * 1025]}, "bad_words take 1025 tokens; allowed: at most 1024"),
 ]
 
 
@@ -422,6 +438,92 @@ def test_penalties_logit_bias_and_min_tokens(client):
             max_completion_tokens=4,
             extra_body={"min_tokens": 5},
         )
+
+
+def test_allowed_token_ids_and_bad_words(client):
+    """vLLM's fields through both APIs give the offline LLM's tokens: the output stays inside the
+    allowed tokens, and never has a bad word in it, though "a" (97) is biased to come every time."""
+    from minengine import LLM, SamplingParams
+
+    allowed = [32, *range(97, 110)]
+    fields = {"allowed_token_ids": allowed, "bad_words": ["aa", "ha"], "logit_bias": {"97": 20}, "ignore_eos": True}
+    p = SamplingParams(
+        temperature=0,
+        max_tokens=12,
+        allowed_token_ids=allowed,
+        bad_words=["aa", "ha"],
+        logit_bias={97: 20},
+        ignore_eos=True,
+    )
+    llm = LLM("tiny", page_size=4, max_total_tokens=256)
+    (ref,) = llm.generate("bad words", p, use_tqdm=False)
+    chat_prompt = llm.tokenizer.render_chat([{"role": "user", "content": "w"}])
+    chat_ids = llm.tokenizer.encode(chat_prompt, add_special_tokens=False)
+    (chat_ref,) = llm.generate({"prompt_token_ids": chat_ids}, p, use_tqdm=False)
+    llm.shutdown()
+    text = ref.outputs[0].text
+    assert set(text) <= {chr(t) for t in allowed} and "aa" not in text and "ha" not in text
+    assert text.count("a") == 6  # every other token
+    out = client.completions.create(model=MODEL, prompt="bad words", max_tokens=12, temperature=0, extra_body=fields)
+    assert out.choices[0].text == text
+    streamed = client.completions.create(
+        model=MODEL, prompt="bad words", max_tokens=12, temperature=0, extra_body=fields, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == text
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w"}], max_tokens=12, temperature=0, extra_body=fields
+    )
+    assert chat.choices[0].message.content == chat_ref.outputs[0].text
+
+
+def test_special_tokens_in_the_text_with_skip_special_tokens_false(client):
+    """vLLM's skip_special_tokens: False puts special tokens in the text, offline and served,
+    streamed or not; the end-of-sequence token that ends the output stays out, as in vLLM, unless
+    include_stop_str_in_output."""
+    from minengine import LLM, SamplingParams
+
+    start, end = "<|im_start|>", "<|end_of_text|>"  # the tiny tokenizer's 258 and 257 (its EOS)
+    kept = SamplingParams(temperature=0, max_tokens=6, logit_bias={258: 100}, skip_special_tokens=False)
+    ended = SamplingParams(
+        temperature=0, max_tokens=6, min_tokens=2, logit_bias={257: 100, 258: 50}, skip_special_tokens=False
+    )
+    llm = LLM("tiny", page_size=4, max_total_tokens=256)
+    try:
+        texts = [o.outputs[0].text for o in llm.generate(["s"] * 2, [kept, ended], use_tqdm=False)]
+        skipped = llm.generate("s", replace(kept, skip_special_tokens=True), use_tqdm=False)[0].outputs[0].text
+        shown = replace(ended, include_stop_str_in_output=True)
+        with_end = llm.generate("s", shown, use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    assert texts == [start * 6, start * 2] and skipped == "" and with_end == start * 2 + end
+    for stream in (False, True):
+        extra = {"logit_bias": {"258": 100}, "skip_special_tokens": False}
+        kwargs = dict(model=MODEL, prompt="s", max_tokens=6, temperature=0, extra_body=extra, stream=stream)
+        out = client.completions.create(**kwargs)
+        assert ("".join(c.choices[0].text for c in out) if stream else out.choices[0].text) == texts[0]
+        extra = {"logit_bias": {"257": 100, "258": 50}, "min_tokens": 2, "skip_special_tokens": False}
+        out = client.completions.create(**kwargs | {"extra_body": extra})
+        assert ("".join(c.choices[0].text for c in out) if stream else out.choices[0].text) == texts[1]
+
+
+def test_truncate_prompt_tokens(client, server):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (usage counts them; echo shows
+    them), in both APIs; out of range, a 400 naming the value."""
+    prompt = "a prompt that is longer than what the request keeps of it"
+    base = dict(model=MODEL, max_tokens=4, temperature=0)
+    kept = client.completions.create(prompt=prompt[-7:], **base).choices[0].text
+    out = client.completions.create(prompt=prompt, **base, extra_body={"truncate_prompt_tokens": 7, "echo": True})
+    assert out.usage.prompt_tokens == 7 and out.choices[0].text == prompt[-7:] + kept  # (one token a byte)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": prompt}], **base, extra_body={"truncate_prompt_tokens": 5}
+    )
+    assert chat.usage.prompt_tokens == 5
+    r = httpx.post(
+        server + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": -3},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    assert r.json()["error"]["message"].startswith("truncate_prompt_tokens is -3; allowed: None, -1")
 
 
 def test_a_stop_token_is_not_in_the_text(client):

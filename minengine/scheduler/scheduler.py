@@ -319,7 +319,7 @@ class Scheduler:
         """Release a running request: its full pages go to the prefix cache (or are freed), or
         with ``hold_kv_on_finish`` stay held for a KV transfer (see ``release_held``). A preempted
         request that its in-flight token finishes just leaves the queue."""
-        req.output_counts = req.prompt_seen = None  # its penalties' device memory (no step samples it again)
+        req.output_counts = req.prompt_seen = req.output_tail = None  # its sampler state (no step samples it again)
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, reason
@@ -430,7 +430,7 @@ class Scheduler:
             if req in self.waiting:
                 self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
-            req.output_counts = req.prompt_seen = None  # a preempted one's (``finish`` drops the others')
+            req.output_counts = req.prompt_seen = req.output_tail = None  # a preempted one's (``finish``: the rest)
 
     def accounting(self) -> dict[str, int]:
         """Where every KV page is: free, held by running requests, held only by the prefix cache."""

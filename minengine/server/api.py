@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minengine import logprobs as logprob_format
-from minengine.engine import check_prompt, generation_room
+from minengine.engine import check_prompt, generation_room, truncate_prompt
 from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
@@ -109,12 +109,16 @@ class _Sampling(_NullIsDefault):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # vLLM's
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM's
     min_tokens: int = 0  # vLLM's
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    allowed_token_ids: list[int] | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: the context length's)
     # vLLM's: per prompt token from the second on, its logprob and the top ones (a stream takes only 0, and sends none)
     prompt_logprobs: int | None = None
     stream: bool = False
@@ -251,7 +255,6 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 _UNSUPPORTED = {
     "length_penalty": (1, 1.0),
     "use_beam_search": (False,),
-    "skip_special_tokens": (True,),
     "suffix": ("",),
     "top_logprobs": (0,),
     "return_tokens_as_token_ids": (False,),
@@ -261,10 +264,7 @@ _UNSUPPORTED = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
-    "allowed_token_ids": (),
-    "bad_words": ([],),
     "logits_processors": (),
-    "truncate_prompt_tokens": (),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -327,6 +327,7 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             n=req.n,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=asked if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=req.presence_penalty,
@@ -334,6 +335,9 @@ def sampling_params(
             repetition_penalty=req.repetition_penalty,
             min_tokens=req.min_tokens,
             logit_bias=_logit_bias(req.logit_bias),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words or None,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
     except ValueError as exc:
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
@@ -511,7 +515,9 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError(400, why, "max_tokens")
             max_tokens = 1 if prompt_only else req.max_tokens
             params = sampling_params(req, max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs)
-            choices = _choices(state, prompts, params, bootstrap, echo=texts if req.echo else None)
+            cut = [_truncated(state, ids, req.truncate_prompt_tokens) for ids in prompts]
+            texts = [text if len(c) == len(ids) else None for text, c, ids in zip(texts, cut, prompts, strict=True)]
+            choices = _choices(state, cut, params, bootstrap, echo=texts if req.echo else None)
             for c in choices:
                 c.prompt_only = prompt_only
         return await _respond(state, raw, req, choices, chat=False)
@@ -530,6 +536,7 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError(400, "messages is empty", "messages")
             text = chat_prompt(state.tokenizer, req)
             prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
+            prompt_ids = _truncated(state, prompt_ids, req.truncate_prompt_tokens)
             field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             bootstrap = bootstrap_of(state, req, 1)
@@ -545,6 +552,18 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(state, raw, req, choices, chat=True)
 
     return app
+
+
+def _truncated(state: ServerState, prompt_ids: list[int], k: int | None) -> list[int]:
+    """The prompt cut to its last ``k`` tokens (vLLM's ``truncate_prompt_tokens``), or a 400 naming
+    the value."""
+    if k is None:
+        return prompt_ids
+    try:
+        SamplingParams(truncate_prompt_tokens=k)  # its range
+        return truncate_prompt(prompt_ids, k, state.client.ready.context_length)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "truncate_prompt_tokens") from None
 
 
 def _check_open(state: ServerState, model: str | None) -> None:
@@ -578,6 +597,10 @@ def _encode(tokenizer: Tokenizer, text: str, field_name: str, **kwargs: Any) -> 
         raise APIError(400, f"{field_name} cannot be tokenized: {exc}", field_name) from None
 
 
+# the sampling fields check_prompt names first in its message (the others are about the prompt)
+_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words")
+
+
 def _choices(
     state: ServerState,
     prompts: list[list[int]],
@@ -604,10 +627,13 @@ def _choices(
     checked = params.first_token_only() if state.mode == "prefill" else params
     for ids in prompts:
         try:
-            check_prompt(ids, checked, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens)
+            check_prompt(
+                ids, checked, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens, state.tokenizer
+            )
         except ValueError as exc:
             message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
-            raise APIError(400, message, "logit_bias" if message.startswith("logit_bias") else prompt_field) from None
+            field_name = message.split(" ", 1)[0]
+            raise APIError(400, message, field_name if field_name in _CHECKED_FIELDS else prompt_field) from None
     choices = []
     for i, ids in enumerate(prompts):
         text = None
