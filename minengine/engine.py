@@ -68,18 +68,23 @@ def resolve_max_tokens(
     return dataclasses.replace(params, max_tokens=generation_room(len(prompt_ids), context_length, kv_capacity))
 
 
-def truncate_prompt(prompt_ids: list[int], k: int | None, context_length: int) -> list[int]:
-    """The prompt's last ``k`` tokens (``SamplingParams.truncate_prompt_tokens``; -1: the context
-    length's worth), as vLLM truncates it; the prompt itself for None or when it is short enough."""
-    if k is None:
-        return prompt_ids
-    if k > context_length:
+def truncation(k: int | None, context_length: int) -> int | None:
+    """How many tokens ``truncate_prompt_tokens`` = ``k`` keeps of a prompt (None: all of it; -1:
+    the context length's worth); ValueError naming it if it is past the context length."""
+    if k is not None and k > context_length:
         raise ValueError(
             f"truncate_prompt_tokens is {k}; allowed: -1 (the context length) or 1..{context_length} "
             "(the context length)"
         )
-    k = context_length if k == -1 else k
-    return prompt_ids[-k:] if len(prompt_ids) > k else prompt_ids
+    return context_length if k == -1 else k
+
+
+def truncate_prompt(prompt_ids: list[int], k: int | None, context_length: int) -> list[int]:
+    """The prompt's last ``truncation(k, context_length)`` tokens, as vLLM truncates token ids; the
+    prompt itself when that is all of it. (A text prompt is cut before its special tokens are added:
+    ``Tokenizer.encode(..., truncate_left=...)``.)"""
+    keep = truncation(k, context_length)
+    return prompt_ids[-keep:] if keep is not None and len(prompt_ids) > keep else prompt_ids
 
 
 def check_prompt(

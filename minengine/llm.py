@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from minengine.config import EngineConfig
 from minengine.detokenizer import stop_reason
-from minengine.engine import Engine, check_prompt, resolve_max_tokens, truncate_prompt
+from minengine.engine import Engine, check_prompt, resolve_max_tokens, truncation
 from minengine.logprobs import Logprob, output_logprobs, prompt_offline
 from minengine.models import load_tokenizer
 from minengine.sampling_params import SamplingParams
@@ -99,7 +99,7 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        texts, ids = [], []
+        texts, ids, from_text = [], [], []
         for i, p in enumerate(prompts):
             text, p_ids = _prompt(p)
             if p_ids is None and text is None:
@@ -108,6 +108,7 @@ class LLM:
                     "{'prompt': str} or {'prompt_token_ids': [int, ...]}"
                 )
             texts.append(text)
+            from_text.append(p_ids is None)
             ids.append(self.tokenizer.encode(text) if p_ids is None else p_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -119,7 +120,10 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}; expected SamplingParams")
             try:
-                ids[i] = p_ids = truncate_prompt(p_ids, p.truncate_prompt_tokens, r.context_length)
+                if (keep := truncation(p.truncate_prompt_tokens, r.context_length)) is not None:
+                    # a text's special tokens (BOS) stay, as vLLM's tokenizer truncates
+                    cut = self.tokenizer.encode(texts[i], truncate_left=keep) if from_text[i] else p_ids[-keep:]
+                    ids[i] = p_ids = cut
                 params[i] = p = resolve_max_tokens(p_ids, p, r.context_length, r.kv_capacity_tokens)
                 self._check(p_ids, p)
             except ValueError as exc:

@@ -14,12 +14,14 @@ decided on host values, and a batch where no request asks for it pays nothing.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from minengine.memory.kv_pool import to_device, to_device_packed
+from minengine.memory.kv_pool import to_device
 from minengine.request import Request
 
 
@@ -107,31 +109,34 @@ class Sampler:
     def _ban_word_ends(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], state: _State) -> None:
         """For each bad word of two or more tokens of ``reqs`` (rows ``rows`` of ``logits``): its last
         token to -inf where the request's output ends in the tokens before it. Compared on the
-        device, with each request's output tail (``Request.output_tail``), which ``_record`` moves on."""
+        device, with each request's output tail (``Request.output_tail``), which ``_record`` moves on.
+        The host work is per request, not per token (each request's word plan is cached)."""
         device = logits.device
-        for req in reqs:
+        plans = [_word_plan(req.bad_words_ids) for req in reqs]
+        for req, plan in zip(reqs, plans, strict=True):
             if req.output_tail is None:
-                width = max(map(len, req.bad_words_ids)) - 1
-                known = req.output_ids[-width:]  # (a decode server's first token: the prefill server's)
-                req.output_tail = to_device([-1] * (width - len(known)) + known, torch.int64, self.device)
+                known = req.output_ids[-plan.width :]  # (a decode server's first token: the prefill server's)
+                req.output_tail = to_device([-1] * (plan.width - len(known)) + known, torch.int64, self.device)
         tails = [req.output_tail for req in reqs]
-        where, expected, word_of, ends = [], [], [], []  # per prefix token: its place in ``flat``, value, word
-        offset = 0
-        for j, req in zip(rows, reqs, strict=True):
-            offset += req.output_tail.shape[0]
-            for ids in req.bad_words_ids:
-                if len(ids) > 1:
-                    where += range(offset - len(ids) + 1, offset)
-                    expected += ids[:-1]
-                    word_of += [len(ends)] * (len(ids) - 1)
-                    ends.append((j, ids[-1]))
+        ends = np.cumsum([plan.width for plan in plans])  # where each tail ends in ``flat``
+        firsts = np.cumsum([0] + [len(plan.last) for plan in plans[:-1]])  # each one's first word
+        host = np.concatenate(
+            [plan.where + end for plan, end in zip(plans, ends, strict=True)]
+            + [plan.expected for plan in plans]
+            + [plan.word + first for plan, first in zip(plans, firsts, strict=True)]
+            + [np.repeat(np.asarray(rows, dtype=np.int64), [len(plan.last) for plan in plans])]
+            + [plan.last for plan in plans]
+        )
+        prefix, words = sum(len(plan.expected) for plan in plans), sum(len(plan.last) for plan in plans)
+        where, expected, word_of, end_rows, end_tokens = to_device(host, torch.int64, device).split(
+            [prefix, prefix, prefix, words, words]
+        )
         flat = torch.cat(tails)
-        where_d, expected_d, word_of_d = to_device_packed([where, expected, word_of], torch.int64, device)
-        differ = torch.zeros(len(ends), dtype=torch.int32, device=device)
-        differ.index_add_(0, word_of_d, (flat[where_d] != expected_d).int())
+        differ = torch.zeros(words, dtype=torch.int32, device=device)
+        differ.index_add_(0, word_of, (flat[where] != expected).int())
         # added, so that two words ending in one token (one matched, one not) cannot undo each other
         ban = torch.where(differ == 0, float("-inf"), 0.0)
-        logits.index_put_(_indices(ends, device), ban, accumulate=True)
+        logits.index_put_((end_rows, end_tokens), ban, accumulate=True)
         state.tails, state.flat_tails = tails, flat
 
     def _penalize(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], state: _State) -> torch.Tensor:
@@ -202,6 +207,31 @@ class _State:
     tailed_rows: list[int] = field(default_factory=list)
     tails: list[torch.Tensor] = field(default_factory=list)
     flat_tails: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _WordPlan:
+    """A request's bad words of two or more tokens, as ``Sampler._ban_word_ends`` compares them:
+    per token before a word's last, its place counted back from the end of the output tail
+    (-1: the newest output token), its value and its word (numbered in the request); per word,
+    its last token."""
+
+    width: int  # the tail: the longest word's tokens but its last
+    where: np.ndarray
+    expected: np.ndarray
+    word: np.ndarray
+    last: np.ndarray
+
+
+@functools.lru_cache(maxsize=4096)
+def _word_plan(words: tuple[tuple[int, ...], ...]) -> _WordPlan:
+    """The plan of ``Request.bad_words_ids`` (requests with the same words share it)."""
+    longer = [ids for ids in words if len(ids) > 1]
+    where = [k - len(ids) + 1 for ids in longer for k in range(len(ids) - 1)]
+    expected = [t for ids in longer for t in ids[:-1]]
+    word = [w for w, ids in enumerate(longer) for _ in range(len(ids) - 1)]
+    arrays = (np.asarray(x, dtype=np.int64) for x in (where, expected, word, [ids[-1] for ids in longer]))
+    return _WordPlan(max(map(len, longer)) - 1, *arrays)
 
 
 def _rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -60,8 +60,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, truncate_left: int | None = None) -> list[int]:
+        """``truncate_left``: at most that many tokens, the last ones, as transformers truncates on
+        the left (vLLM's ``truncate_prompt_tokens``): the text's tokens are cut first, then the
+        special tokens (a BOS) are added, so they stay."""
+        if truncate_left is None:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        added = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        encoding.truncate(max(truncate_left - added, 0), direction="left")
+        return self.backend.post_process(encoding, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

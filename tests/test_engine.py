@@ -16,6 +16,7 @@ from minengine.models.tiny import tiny_tokenizer
 from minengine.sampler import filtered_probs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+TOK = tiny_tokenizer()
 
 
 def gen(llm, prompt, **params):
@@ -326,6 +327,9 @@ def test_text_is_decoded_once_without_stop_strings(llm):
 def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
     """vLLM's truncate_prompt_tokens: the last k tokens are the prompt (its output, its ids, its
     cache), -1 the context length's worth; a k past the context length is refused."""
+    text = "a text prompt of more than a few tokens"
+    cut = gen(llm, text, max_tokens=2, truncate_prompt_tokens=5).prompt_token_ids
+    assert cut == TOK.encode(text)[:1] + TOK.encode(text, add_special_tokens=False)[-4:]  # its BOS stays
     prompt = list(range(60, 90))
     out = gen(llm, prompt, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=10)
     want = gen(llm, prompt[-10:], max_tokens=6, ignore_eos=True)
@@ -606,6 +610,14 @@ def test_tokenizer_matches_auto_tokenizer(qwen3_dir):
         ids = theirs.encode(text)
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+    # vLLM's truncate_prompt_tokens on a text: transformers' left truncation (its BOS stays)
+    left = AutoTokenizer.from_pretrained(qwen3_dir, truncation_side="left")
+    for text in texts[:4]:
+        for keep in (1, 2, 5, 100):
+            want = left(text, truncation=True, max_length=keep)["input_ids"]
+            assert ours.encode(text, truncate_left=keep) == want, (text, keep)
+            want = left(text, truncation=True, max_length=keep, add_special_tokens=False)["input_ids"]
+            assert ours.encode(text, add_special_tokens=False, truncate_left=keep) == want
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     for gen_prompt in (True, False):
         want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)

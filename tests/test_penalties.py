@@ -124,7 +124,7 @@ def test_allowed_tokens_and_bad_words_match_a_float64_reference(checkpoint, hf_m
     try:
         letter, token = doubled_letter(llm.tokenizer)
         (single,) = llm.tokenizer.encode("e", add_special_tokens=False)
-        allowed = random.Random().sample(range(vocab), 12)
+        allowed = random.Random().sample(sorted(set(range(vocab)) - {token, single}), 12)
         params = [
             SamplingParams(
                 max_tokens=12, temperature=0, ignore_eos=True, bad_words=[letter * 2, "e"], logit_bias={token: 100}
@@ -196,8 +196,8 @@ def test_sampler_adjusts_only_what_is_asked_and_counts_on_the_device():
         logits = torch.randn(len(reqs), vocab) * 3
         # in the adjusted rows, the end token is the likeliest by far (min_tokens must ban it), the
         # stop token id next
-        logits[: len(adjusting), 1] += 30
-        logits[: len(adjusting), 9] += 20
+        logits[: len(adjusting), 1] = 100
+        logits[: len(adjusting), 9] = 50
         raw, argmax = logits.clone(), logits.argmax(-1)
         graph_argmax = argmax.clone()  # a CUDA graph's output buffer: adjusted rows take no token from it
         tokens = sampler(logits, reqs, greedy=graph_argmax).tolist()

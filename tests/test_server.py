@@ -507,15 +507,21 @@ def test_special_tokens_in_the_text_with_skip_special_tokens_false(client):
 
 
 def test_truncate_prompt_tokens(client, server):
-    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (usage counts them; echo shows
-    them), in both APIs; out of range, a 400 naming the value."""
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (a text's BOS stays, as vLLM's
+    tokenizer truncates; usage counts them; echo shows them), in both APIs; out of range, a 400."""
     prompt = "a prompt that is longer than what the request keeps of it"
-    base = dict(model=MODEL, max_tokens=4, temperature=0)
-    kept = client.completions.create(prompt=prompt[-7:], **base).choices[0].text
-    out = client.completions.create(prompt=prompt, **base, extra_body={"truncate_prompt_tokens": 7, "echo": True})
-    assert out.usage.prompt_tokens == 7 and out.choices[0].text == prompt[-7:] + kept  # (one token a byte)
+    base = dict(model=MODEL, max_tokens=1, temperature=0, echo=True, logprobs=0)
+    bos = "<|begin_of_text|>"  # the tiny tokenizer: a byte a token, after its BOS
+    for given, ran in ((prompt, [bos, *prompt[-6:]]), ([256, *prompt.encode()], list(prompt[-7:]))):
+        out = client.completions.create(prompt=given, **base, extra_body={"truncate_prompt_tokens": 7})
+        choice = out.choices[0]
+        assert out.usage.prompt_tokens == 7 and choice.logprobs.tokens[:7] == ran
+        assert choice.text.startswith(prompt[-6:] if given == prompt else prompt[-7:])
     chat = client.chat.completions.create(
-        messages=[{"role": "user", "content": prompt}], **base, extra_body={"truncate_prompt_tokens": 5}
+        messages=[{"role": "user", "content": prompt}],
+        model=MODEL,
+        max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 5},
     )
     assert chat.usage.prompt_tokens == 5
     r = httpx.post(

@@ -86,8 +86,11 @@ _WRAPS_INT32 = int(np.__version__.split(".")[0]) < 2
 
 def to_device(values, dtype: torch.dtype, device: torch.device, count: int = -1) -> torch.Tensor:
     """Host values (a list, or an iterable of exactly ``count`` values) on the device: through pinned
-    memory and a non-blocking copy on CUDA. A value out of the dtype's range raises OverflowError."""
-    if dtype not in _NUMPY:
+    memory and a non-blocking copy on CUDA. A value out of the dtype's range raises OverflowError.
+    A numpy array of the dtype's own type is taken as it is (no copy on the host)."""
+    if isinstance(values, np.ndarray) and values.dtype == _NUMPY.get(dtype):
+        host = torch.from_numpy(np.ascontiguousarray(values))
+    elif dtype not in _NUMPY:
         host = torch.tensor(list(values), dtype=dtype)
     elif dtype is torch.int32 and _WRAPS_INT32:  # through int64 and a range check
         wide = np.fromiter(values, dtype=np.int64, count=count)

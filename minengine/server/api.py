@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minengine import logprobs as logprob_format
-from minengine.engine import check_prompt, generation_room, truncate_prompt
+from minengine.engine import check_prompt, generation_room, truncation
 from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
@@ -500,7 +500,7 @@ def build_app(state: ServerState) -> FastAPI:
         req = await parse_body(raw, CompletionRequest)
         with _peer_told(state, req):
             _check_open(state, req.model)
-            prompts, texts = _completion_prompts(state.tokenizer, req.prompt)
+            prompts, texts = _completion_prompts(state.tokenizer, req.prompt, _keep(state, req.truncate_prompt_tokens))
             bootstrap = bootstrap_of(state, req, len(prompts))
             # as vLLM: echo with logprobs lists the prompt's tokens too, scored with ``prompt_logprobs``
             # top tokens when given (0 with stream too), else ``logprobs``
@@ -515,9 +515,7 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError(400, why, "max_tokens")
             max_tokens = 1 if prompt_only else req.max_tokens
             params = sampling_params(req, max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs)
-            cut = [_truncated(state, ids, req.truncate_prompt_tokens) for ids in prompts]
-            texts = [text if len(c) == len(ids) else None for text, c, ids in zip(texts, cut, prompts, strict=True)]
-            choices = _choices(state, cut, params, bootstrap, echo=texts if req.echo else None)
+            choices = _choices(state, prompts, params, bootstrap, echo=texts if req.echo else None)
             for c in choices:
                 c.prompt_only = prompt_only
         return await _respond(state, raw, req, choices, chat=False)
@@ -536,7 +534,8 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError(400, "messages is empty", "messages")
             text = chat_prompt(state.tokenizer, req)
             prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
-            prompt_ids = _truncated(state, prompt_ids, req.truncate_prompt_tokens)
+            if (keep := _keep(state, req.truncate_prompt_tokens)) is not None:
+                prompt_ids = prompt_ids[-keep:]  # (encoded without special tokens: none to keep)
             field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             bootstrap = bootstrap_of(state, req, 1)
@@ -554,14 +553,13 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _truncated(state: ServerState, prompt_ids: list[int], k: int | None) -> list[int]:
-    """The prompt cut to its last ``k`` tokens (vLLM's ``truncate_prompt_tokens``), or a 400 naming
-    the value."""
+def _keep(state: ServerState, k: int | None) -> int | None:
+    """How many prompt tokens ``truncate_prompt_tokens`` = ``k`` keeps (None: all), or a 400 naming it."""
     if k is None:
-        return prompt_ids
+        return None
     try:
         SamplingParams(truncate_prompt_tokens=k)  # its range
-        return truncate_prompt(prompt_ids, k, state.client.ready.context_length)
+        return truncation(k, state.client.ready.context_length)
     except ValueError as exc:
         raise APIError(400, str(exc), "truncate_prompt_tokens") from None
 
@@ -575,8 +573,11 @@ def _check_open(state: ServerState, model: str | None) -> None:
         raise APIError(404, f"the model {model!r} does not exist; served: {state.served_model_name!r}", "model")
 
 
-def _completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> tuple[list[list[int]], list[str | None]]:
-    """Each prompt's token ids and text (None where token ids were given)."""
+def _completion_prompts(
+    tokenizer: Tokenizer, prompt: str | list, keep: int | None = None
+) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt's token ids and text (None where token ids were given); ``keep``: at most that
+    many tokens of each, its last (a text's special tokens stay, as vLLM's tokenizer truncates)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
@@ -585,8 +586,13 @@ def _completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> tuple[list[
     for p in prompt:
         if isinstance(p, str) and not p:
             raise APIError(400, "prompt is empty", "prompt")
-        ids.append(_encode(tokenizer, p, "prompt") if isinstance(p, str) else list(p))
-        texts.append(p if isinstance(p, str) else None)
+        if not isinstance(p, str):
+            ids.append(list(p)[-keep:] if keep is not None else list(p))
+            texts.append(None)
+            continue
+        ids.append(_encode(tokenizer, p, "prompt", truncate_left=keep))
+        cut = keep is not None and len(ids[-1]) < len(_encode(tokenizer, p, "prompt"))
+        texts.append(tokenizer.decode(ids[-1]) if cut else p)  # (what ran, for echo)
     return ids, texts
 
 
