@@ -22,6 +22,7 @@ import torch
 from _common import RESULTS, header, publish, require_positive, save, stem
 from _common import report as make_report
 
+from minengine.engine import resolve_device
 from minengine.request import Request
 from minengine.sampler import Sampler
 from minengine.sampling_params import SamplingParams
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.rows, args.vocab, args.calls, args.repeats = [2, 4], 512, 2, 2
     require_positive(parser, args, "rows", "vocab", "calls", "repeats")
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     gbps = copy_bandwidth(device, args.calls, args.repeats)
     rows = []
 

@@ -14,6 +14,7 @@ text of the first ``min_tokens`` output tokens (one may begin there and end afte
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 from minengine.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
+        self._decode_ids = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.include_stop = include_stop
         self.min_tokens = min_tokens
@@ -106,11 +108,7 @@ class IncrementalDetokenizer:
         return self._emit(final=True)
 
     def _decode(self, final: bool) -> None:
-        skip = self.skip_special
-
-        def decode(ids: list[int]) -> str:
-            return self.tokenizer.decode(ids, skip_special_tokens=skip)
-
+        decode = self._decode_ids
         prefix = decode(self.ids[self._prefix_offset : self._read_offset])
         window = decode(self.ids[self._prefix_offset :])
         if len(window) > len(prefix) and (final or not window.endswith(_INCOMPLETE)):

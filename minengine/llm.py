@@ -120,7 +120,8 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}; expected SamplingParams")
             try:
-                if (keep := truncation(p.truncate_prompt_tokens, r.context_length)) is not None:
+                keep = truncation(p.truncate_prompt_tokens, r.context_length)
+                if keep is not None and len(p_ids) > keep:
                     # a text's special tokens (BOS) stay, as vLLM's tokenizer truncates
                     cut = self.tokenizer.encode(texts[i], truncate_left=keep) if from_text[i] else p_ids[-keep:]
                     ids[i] = p_ids = cut

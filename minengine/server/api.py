@@ -590,9 +590,11 @@ def _completion_prompts(
             ids.append(list(p)[-keep:] if keep is not None else list(p))
             texts.append(None)
             continue
-        ids.append(_encode(tokenizer, p, "prompt", truncate_left=keep))
-        cut = keep is not None and len(ids[-1]) < len(_encode(tokenizer, p, "prompt"))
-        texts.append(tokenizer.decode(ids[-1]) if cut else p)  # (what ran, for echo)
+        ids.append(_encode(tokenizer, p, "prompt"))
+        texts.append(p)
+        if keep is not None and len(ids[-1]) > keep:
+            ids[-1] = _encode(tokenizer, p, "prompt", truncate_left=keep)
+            texts[-1] = tokenizer.decode(ids[-1])  # what ran, for echo
     return ids, texts
 
 
