@@ -155,11 +155,16 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         chat_template_kwargs: dict | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` messages) or a list
-        of them, each through the checkpoint's chat template with the assistant's turn opened; one
-        output per conversation, whose ``prompt`` is the rendered text. ``chat_template_kwargs``:
-        further template variables (``enable_thinking``, ...)."""
+        of them, each through the chat template (``chat_template``, else the checkpoint's) with the
+        assistant's turn opened (``add_generation_prompt``; None: unless ``continue_final_message``,
+        which ends the prompt inside the last message for the model to go on with it); one output
+        per conversation, whose ``prompt`` is the rendered text. ``chat_template_kwargs``: further
+        template variables (``enable_thinking``, ...)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for i, conv in enumerate(conversations):
@@ -169,7 +174,9 @@ class LLM:
                     '{"role": ..., "content": ...} dicts'
                 )
             try:
-                text = self.tokenizer.render_chat(conv, chat_template_kwargs)
+                text = self.tokenizer.render_chat(
+                    conv, chat_template_kwargs, add_generation_prompt, continue_final_message, chat_template
+                )
             except ValueError as exc:
                 raise ValueError(f"conversation {i}: {exc}") from None
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})

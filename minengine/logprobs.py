@@ -9,6 +9,7 @@ logprobs, most likely first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,15 +78,27 @@ def _floor(value: float) -> float:
     return value if value >= JSON_FLOOR else JSON_FLOOR
 
 
+def _namer(tokenizer: Tokenizer, as_ids: bool) -> Callable[[int], str]:
+    """How the APIs name a token: its text, or (vLLM's ``return_tokens_as_token_ids``, for
+    tokens whose text is no valid UTF-8 on its own) "token_id:<id>"."""
+    return (lambda token: f"token_id:{token}") if as_ids else tokenizer.token_text
+
+
 def completion(
-    ids: list[int], entries: list[TokenLogprobs | None], tokenizer: Tokenizer, text_offset: int = 0
+    ids: list[int],
+    entries: list[TokenLogprobs | None],
+    tokenizer: Tokenizer,
+    text_offset: int = 0,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """The completions API's ``logprobs`` for ``ids``: each token's text, logprob, {text: logprob}
     of the sampled and the top tokens, and character offset (the first at ``text_offset``). An
-    entry None (an echoed prompt's first token) has null logprobs, as in vLLM."""
+    entry None (an echoed prompt's first token) has null logprobs, as in vLLM. ``as_ids``: tokens
+    named by ``_namer`` (offsets count those names, as vLLM's do)."""
+    name = _namer(tokenizer, as_ids)
     tokens, token_lps, tops, offsets = [], [], [], []
     for token, entry in zip(ids, entries, strict=True):
-        text = tokenizer.token_text(token)
+        text = name(token)
         tokens.append(text)
         if entry is None:
             token_lps.append(None)
@@ -95,19 +108,22 @@ def completion(
             token_lps.append(_floor(lp))
             top = {text: _floor(lp)}
             for t, v in zip(top_ids, top_lps, strict=True):
-                top.setdefault(tokenizer.token_text(t), _floor(v))
+                top.setdefault(name(t), _floor(v))
             tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat(ids: list[int], entries: list[TokenLogprobs], tokenizer: Tokenizer) -> list[dict[str, Any]]:
+def chat(
+    ids: list[int], entries: list[TokenLogprobs], tokenizer: Tokenizer, as_ids: bool = False
+) -> list[dict[str, Any]]:
     """The chat API's ``logprobs.content``: per token its text, logprob and UTF-8 bytes, and the
-    top tokens' (``top_logprobs`` of them, most likely first)."""
+    top tokens' (``top_logprobs`` of them, most likely first); ``as_ids``: as ``completion``'s."""
+    name = _namer(tokenizer, as_ids)
 
     def item(token: int, lp: float) -> dict[str, Any]:
-        text = tokenizer.token_text(token)
+        text = name(token)
         return {"token": text, "logprob": _floor(lp), "bytes": list(text.encode("utf-8", "surrogatepass"))}
 
     content = []

@@ -18,6 +18,7 @@ import sys
 import uvicorn
 
 from minengine.config import CHOICES, EngineConfig
+from minengine.tokenizer import load_chat_template
 
 logger = logging.getLogger("minengine.serve")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -38,6 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=30000, help="port to listen on (1..65535)")
     parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    chat = parser.add_argument_group("chat API (as vLLM's flags)")
+    chat.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template (a file, or the text) instead of the checkpoint's",
+    )
+    chat.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat_template (rendered sandboxed)",
+    )
+    chat.add_argument("--response-role", default="assistant", help="the answer's role when its turn is opened")
+    chat.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name tokens "token_id:<id>" unless a request says otherwise',
+    )
     engine = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -57,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
     args = parser.parse_args(argv)
     if not 1 <= args.port <= 65535:
         parser.error(f"argument --port: {args.port} is out of range; allowed: 1..65535")
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except ValueError as exc:
+            parser.error(f"argument --chat-template: {exc}")
+    if not args.response_role.strip():
+        parser.error(f"argument --response-role: {args.response_role!r} is empty; allowed: a role name")
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     try:
         config = EngineConfig.from_kwargs(**fields)
@@ -161,7 +187,18 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     metrics = Metrics()
     workers = Workers(config, metrics)  # the schedulers load the model; the port opens once they are ready
     name = args.served_model_name or config.model
-    state = ServerState(workers.client, tokenizer, name, metrics, config.disaggregation_mode)
+    if args.chat_template is not None:
+        tokenizer.chat_template = args.chat_template
+    state = ServerState(
+        workers.client,
+        tokenizer,
+        name,
+        metrics,
+        config.disaggregation_mode,
+        trust_request_chat_template=args.trust_request_chat_template,
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+    )
 
     app = build_app(state)
     server = _Server(

@@ -9,6 +9,7 @@ the way transformers renders it; without one, a ChatML template is used.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +37,6 @@ class Tokenizer:
         self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token else None
         # decoding skips these, so a stream of them adds no text
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-        self._template = None
         self._token_texts: dict[int, str] = {}
 
     @classmethod
@@ -83,39 +83,137 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        """``kwargs``: further template variables (vLLM's ``chat_template_kwargs``, e.g. enable_thinking)."""
-        if self._template is None:
-            # the environment transformers renders templates in: {% break %} / {% continue %}, a tojson
-            # that does not HTML-escape, strftime_now
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-            )
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = _strftime_now
-            env.filters["tojson"] = _tojson
-            self._template = env.from_string(self.chat_template)
+        """transformers' ``apply_chat_template(..., tokenize=False)``: ``continue_final_message``
+        ends the prompt inside the last message (its closing tokens cut), for the model to go on
+        with it; ``chat_template``: a template to use instead of the checkpoint's; ``kwargs``:
+        further template variables (vLLM's ``chat_template_kwargs``, e.g. enable_thinking)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        template = compile_chat_template(chat_template or self.chat_template)
+        if continue_final_message:
+            messages, final = _tag_final_message(messages)
         # tools and documents as transformers passes them when a request has none
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         context |= {"tools": None, "documents": None, **kwargs}
-        return self._template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
+        text = template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            text = _cut_at_tag(text, final)
+        return text
 
-    def render_chat(self, messages: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+    ) -> str:
         """A conversation as a prompt: its content parts joined (``chat_messages``), rendered with
-        the assistant's turn opened and the caller's template variables (vLLM's
-        ``chat_template_kwargs``). ValueError for what the caller got wrong: a part that is not
-        text, a variable that would replace ``messages`` or ``add_generation_prompt``, messages
-        the template refuses."""
+        the assistant's turn opened (``add_generation_prompt``; None: unless
+        ``continue_final_message``), by ``chat_template`` (None: the checkpoint's), with the
+        caller's template variables (vLLM's ``chat_template_kwargs``). ValueError for what the
+        caller got wrong, its message starting with the field's name where it is one of these
+        (``messages`` otherwise): a part that is not text, a variable that would replace one of
+        the arguments, a template that does not parse, messages the template refuses."""
         extra = dict(chat_template_kwargs or {})
-        reserved = sorted({"messages", "add_generation_prompt"} & extra.keys())
+        reserved = [k for k in ("messages", *CHAT_ARGUMENTS) if k in extra]
         if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {reserved[0]}")
+            own = "" if reserved[0] == "messages" else f"; it is a field of its own: set {reserved[0]} itself"
+            raise ValueError(f"chat_template_kwargs may not set {reserved[0]}{own}")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if chat_template is not None:
+            try:
+                compile_chat_template(chat_template)
+            except jinja2.TemplateError as exc:
+                raise ValueError(f"chat_template does not parse as a Jinja template: {exc}") from None
         messages = chat_messages(messages)
         try:
-            return self.apply_chat_template(messages, add_generation_prompt=True, **extra)
+            return self.apply_chat_template(
+                messages, add_generation_prompt, continue_final_message, chat_template, **extra
+            )
+        except FinalMessageError:
+            raise
         except Exception as exc:  # a template may raise on messages it does not accept
             raise ValueError(f"the chat template failed: {exc}") from None
+
+
+# render_chat's arguments, which chat_template_kwargs may not set
+CHAT_ARGUMENTS = ("add_generation_prompt", "continue_final_message", "chat_template")
+
+
+class FinalMessageError(ValueError):
+    """continue_final_message cannot be done: no text to continue, or the template drops it."""
+
+
+def _tag_final_message(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """(``messages`` with a tag after the last message's text, that text): as transformers marks
+    where the prompt of ``continue_final_message`` ends (a list content: its last text part)."""
+    last = dict(messages[-1]) if messages else {}
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + _CONTINUE_TAG
+        return [*messages[:-1], last], content
+    if isinstance(content, list):
+        for i in reversed(range(len(content))):
+            part = content[i]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                last["content"] = [*content[:i], {**part, "text": part["text"] + _CONTINUE_TAG}, *content[i + 1 :]]
+                return [*messages[:-1], last], part["text"]
+    raise FinalMessageError("continue_final_message is true, but the final message has no text to continue")
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    """A rendered conversation cut where ``_tag_final_message``'s tag is (and where the template
+    trimmed the tag's space, the message's trailing spaces cut too), as transformers cuts it."""
+    if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+        raise FinalMessageError("continue_final_message is true, but the template drops part of the final message")
+    at = text.rindex(_CONTINUE_TAG.strip())
+    return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
+@functools.lru_cache(maxsize=16)  # the checkpoint's template, and a few of the requests'
+def compile_chat_template(source: str) -> jinja2.Template:
+    """``source`` compiled in the environment transformers renders templates in: sandboxed,
+    {% break %} / {% continue %}, a tojson that does not HTML-escape, strftime_now and
+    raise_exception. jinja2.TemplateSyntaxError when it does not parse."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env.from_string(source)
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's ``--chat-template``: a file's path, or the template itself (text with a brace or a
+    newline in it). ValueError for anything else, or a template that does not parse."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            value = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{value!r} cannot be read: {exc}") from None
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"{value!r} is no file, nor a template (no braces or newlines in it)")
+    try:
+        compile_chat_template(value)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"the template does not parse: {exc}") from None
+    return value
 
 
 def _raise(message: str) -> None:

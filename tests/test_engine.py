@@ -564,6 +564,17 @@ def test_chat_renders_each_conversation_and_generates(qwen3_dir):
             llm.chat(bad, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
         llm.chat(hi, GREEDY, use_tqdm=False, chat_template_kwargs={"messages": []})
+    # vLLM's template arguments: the prompt ends inside the last message; no turn opened; a template
+    partial = [*hi, {"role": "assistant", "content": "The answer"}]
+    (cont,) = llm.chat(partial, GREEDY, use_tqdm=False, continue_final_message=True)
+    assert cont.prompt == "<s><|user|>\nhi</s>\n<|assistant|>\nThe answer"
+    assert cont.outputs[0].token_ids == llm.generate(cont.prompt_token_ids, GREEDY, use_tqdm=False)[0].token_ids
+    (closed,) = llm.chat(hi, GREEDY, use_tqdm=False, add_generation_prompt=False)
+    assert closed.prompt == "<s><|user|>\nhi</s>\n"
+    (own,) = llm.chat(hi, GREEDY, use_tqdm=False, chat_template="{{ messages[0].content }}{{ add_generation_prompt }}")
+    assert own.prompt == "hiTrue"
+    with pytest.raises(ValueError, match="conversation 0: continue_final_message and add_generation_prompt cannot"):
+        llm.chat(partial, GREEDY, use_tqdm=False, add_generation_prompt=True, continue_final_message=True)
     llm.shutdown()
 
 
@@ -622,6 +633,69 @@ def test_tokenizer_matches_auto_tokenizer(qwen3_dir):
     for gen_prompt in (True, False):
         want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
         assert ours.apply_chat_template(messages, add_generation_prompt=gen_prompt) == want
+
+
+# chat templates for the comparisons with transformers: one that keeps a message as it is, one
+# that trims it (as Llama 3's does), one that reads content parts itself
+TRIMMING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PARTS_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endif %};{% endfor %}"
+)
+
+
+def test_continue_final_message_and_a_given_template_render_as_transformers(qwen3_dir):
+    """vLLM's continue_final_message and chat_template reach the template as transformers passes
+    them: the prompt ends inside the last message (its spaces kept, unless the template trims
+    them), by the checkpoint's template or the one given."""
+    from transformers import AutoTokenizer
+
+    from minengine.tokenizer import Tokenizer
+
+    ours, theirs = Tokenizer.from_dir(qwen3_dir), AutoTokenizer.from_pretrained(qwen3_dir)
+    user = {"role": "user", "content": "q"}
+    for template in (None, TRIMMING_TEMPLATE, PARTS_TEMPLATE):
+        for final in ("The answer is", "The answer is ", "  spaced  ", "q", "two\nlines\n"):
+            messages = [user, {"role": "assistant", "content": final}]
+            want = theirs.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=False,
+                continue_final_message=True,
+                chat_template=template,
+            )
+            got = ours.apply_chat_template(messages, False, continue_final_message=True, chat_template=template)
+            assert got == want, (template, final)
+            assert ours.render_chat(messages, continue_final_message=True, chat_template=template) == want
+        for gen_prompt in (True, False):
+            want = theirs.apply_chat_template(
+                [user], tokenize=False, add_generation_prompt=gen_prompt, chat_template=template
+            )
+            assert ours.render_chat([user], add_generation_prompt=gen_prompt, chat_template=template) == want
+    # content parts: the template that reads them sees the tag after the last text part; the others
+    # see the parts joined by newlines (as vLLM hands them over)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b "}]
+    messages = [user, {"role": "assistant", "content": parts}]
+    want = theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True, chat_template=PARTS_TEMPLATE
+    )
+    assert ours.apply_chat_template(messages, False, True, PARTS_TEMPLATE) == want == "user:q;assistant:[a][b "
+    assert ours.render_chat(messages, continue_final_message=True).endswith("<|assistant|>\na\nb ")
+    # an empty last message: the prompt ends where its text would start
+    empty = [user, {"role": "assistant", "content": ""}]
+    assert ours.render_chat(empty, continue_final_message=True) == "<s><|user|>\nq</s>\n<|assistant|>\n"
+    for bad, message in (
+        (dict(add_generation_prompt=True, continue_final_message=True), "cannot both be true"),
+        (dict(continue_final_message=True, chat_template="{{ messages[0].content }}"), "drops part of the final"),
+        (dict(chat_template="{% for %}"), "chat_template does not parse"),
+        (dict(chat_template_kwargs={"add_generation_prompt": False}), "may not set add_generation_prompt; it is a"),
+        (dict(chat_template_kwargs={"chat_template": "x"}), "may not set chat_template"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ours.render_chat(messages, **bad)
 
 
 def test_tokenizer_ignores_add_bos_eos_switches_like_transformers(qwen3_dir, tmp_path):

@@ -104,6 +104,13 @@ def test_multi_turn_chat_through_the_router_equals_one_server(cluster):
     streamed = via.chat.completions.create(model=model, messages=messages, stream=True, **GREEDY)
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == ref.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0].message.content
+    # vLLM's chat template fields reach both halves: the answer goes on with the last message
+    extra = {"ignore_eos": True, "continue_final_message": True, "echo": True}
+    partial = [*messages, {"role": "assistant", "content": "The"}]
+    kwargs = dict(model=model, messages=partial, temperature=0, max_tokens=8, extra_body=extra)
+    got = via.chat.completions.create(**kwargs)
+    assert got.choices[0].message.content.startswith("The") and got.usage.completion_tokens == 8
+    assert got.choices[0].message.content == ref.chat.completions.create(**kwargs).choices[0].message.content
     m = metrics(cluster["decode"])
     assert m["minengine:kv_transfer_bytes_total"] > 0 and m["minengine:kv_transfer_seconds_count"] >= 4
     assert metrics(cluster["prefill"])["minengine:kv_transfer_pages_sent_total"] > 0

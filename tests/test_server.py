@@ -317,7 +317,7 @@ def test_non_json_numbers_routing_errors_and_content_parts(server):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith('messages.0.content.0.type is "image_url"')
     r = chat([{"type": "text"}])
     assert r.status_code == 400 and "messages.0.content.0.text" in r.json()["error"]["message"]
-    for body, name in (({"echo": True}, "echo"), ({"tools": [{"type": "function"}]}, "tools")):
+    for body, name in (({"response_format": {"type": "json_object"}}, "response_format"), ({"tools": [{}]}, "tools")):
         r = chat("x", **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == name
     r = chat("x", max_completion_tokens=10_000)
@@ -800,6 +800,9 @@ def test_scheduler_exits_when_front_end_dies(tmp_path):
         (["--port", "70000"], "argument --port: 70000 is out of range; allowed: 1..65535"),
         (["--chunked-prefill-size", "abc"], "argument --chunked-prefill-size: invalid int value"),
         (["--mem-fraction-static", "2"], "argument --mem-fraction-static: mem_fraction_static is 2.0"),
+        (["--chat-template", "chat.jinja"], "argument --chat-template: 'chat.jinja' is no file, nor a template"),
+        (["--chat-template", "{% if %}"], "argument --chat-template: the template does not parse"),
+        (["--response-role", ""], "argument --response-role: '' is empty"),
     ],
 )
 def test_bad_flags_exit_with_one_line(flags, message):
@@ -984,15 +987,158 @@ def test_continuous_usage_stats_is_refused_not_ignored(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
 
 
-def test_chat_template_kwargs_reach_the_template_and_vllm_template_fields_are_not_ignored(server):
+def test_chat_template_kwargs_reach_the_template_and_bad_template_fields_are_400s(server):
     base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
     plain = httpx.post(server + "/v1/chat/completions", json=base).json()["usage"]["prompt_tokens"]
     # the built-in ChatML template ignores unknown variables: same prompt, but the field is accepted
     kw = httpx.post(server + "/v1/chat/completions", json={**base, "chat_template_kwargs": {"enable_thinking": False}})
     assert kw.status_code == 200 and kw.json()["usage"]["prompt_tokens"] == plain
-    for extra in ({"chat_template_kwargs": {"messages": []}}, {"add_generation_prompt": False}, {"chat_template": "x"}):
+    for extra, param, message in (
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "chat_template_kwargs may not set"),
+        ({"chat_template_kwargs": {"add_generation_prompt": 0}}, "chat_template_kwargs", "set add_generation_prompt"),
+        ({"chat_template": "x"}, "chat_template", "not started with --trust-request-chat-template"),
+        ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message", "cannot both"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt", "a valid boolean"),
+        ({"echo": 1}, "echo", "a valid boolean"),
+    ):
         r = httpx.post(server + "/v1/chat/completions", json={**base, **extra})
-        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and message in error["message"], (extra, r.text)
+
+
+def _chat_stream(url: str, body: dict) -> list[dict]:
+    """A streamed chat answer's chunks' first choices."""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True}) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [json.loads(line)["choices"][0] for line in lines]
+
+
+def test_continue_final_message_add_generation_prompt_and_echo_as_vllm(server):
+    """vLLM's chat template fields give the offline LLM.chat's tokens. continue_final_message: the
+    prompt ends inside the last message; add_generation_prompt false: the answer takes the last
+    message's role; echo: the answer starts with the last message when it has the answer's role
+    (a stream sends it after the role, as vLLM)."""
+    from minengine import LLM, SamplingParams
+
+    user, partial = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}
+    p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm = LLM("tiny", page_size=4, max_total_tokens=256)
+    try:
+        cont = llm.chat([user, partial], p, use_tqdm=False, continue_final_message=True)[0]
+        closed = llm.chat([user], p, use_tqdm=False, add_generation_prompt=False)[0]
+    finally:
+        llm.shutdown()
+    assert cont.prompt.endswith("<|im_start|>assistant\nThe answer is") and closed.prompt.endswith("<|im_end|>\n")
+    base = {"model": MODEL, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    for body, ref, role, echo in (
+        ({"messages": [user, partial], "continue_final_message": True}, cont, "assistant", "The answer is"),
+        ({"messages": [user], "add_generation_prompt": False}, closed, "user", "hi"),
+        ({"messages": [user, partial], "add_generation_prompt": True}, None, "assistant", "The answer is"),
+        ({"messages": [user]}, None, "assistant", ""),  # the last message is not the answer's role: no echo
+    ):
+        out = httpx.post(server + "/v1/chat/completions", json=base | body).json()
+        message = out["choices"][0]["message"]
+        assert message["role"] == role, (body, out)
+        if ref is not None:
+            assert out["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+            assert message["content"] == ref.outputs[0].text
+        echoed = httpx.post(server + "/v1/chat/completions", json=base | body | {"echo": True}).json()
+        assert echoed["choices"][0]["message"] == {"role": role, "content": echo + message["content"]}
+        chunks = _chat_stream(server, base | body | {"echo": True})
+        assert chunks[0]["delta"] == {"role": role, "content": ""}
+        if echo:
+            assert chunks[1]["delta"] == {"content": echo} and chunks[1]["logprobs"] is None
+        assert "".join(c["delta"].get("content", "") for c in chunks) == echo + message["content"]
+
+
+def test_return_tokens_as_token_ids(server):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token (sampled, top, echoed prompt)
+    "token_id:<id>", its offsets count those names; the values and the text stay as they are."""
+    from minengine.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+
+    def named(name: str) -> str:  # a "token_id:<id>" name as the token's text
+        assert re.fullmatch(r"token_id:[0-9]+", name), name
+        return tok.token_text(int(name.split(":")[1]))
+
+    base = {"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True, "ignore_eos": True}
+    plain = httpx.post(server + "/v1/completions", json=base).json()["choices"][0]
+    ids = httpx.post(server + "/v1/completions", json=base | {"return_tokens_as_token_ids": True}).json()["choices"][0]
+    lp, want = ids["logprobs"], plain["logprobs"]
+    assert ids["text"] == plain["text"] and [named(t) for t in lp["tokens"]] == want["tokens"]
+    assert lp["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-5)
+    assert lp["top_logprobs"][0] is None and lp["tokens"][0] == f"token_id:{tok.encode('hi')[0]}"
+    for top, top_want in zip(lp["top_logprobs"][1:], want["top_logprobs"][1:], strict=True):
+        assert {named(t): v for t, v in top.items()} == pytest.approx(top_want, abs=1e-5)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    with httpx.stream(
+        "POST", server + "/v1/completions", json=base | {"return_tokens_as_token_ids": True, "stream": True}
+    ) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = [json.loads(line)["choices"][0]["logprobs"] for line in lines]
+    assert [t for s in streamed for t in s["tokens"]] == lp["tokens"]
+    assert [o for s in streamed for o in s["text_offset"]] == lp["text_offset"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "logprobs": True}
+    chat |= {"top_logprobs": 2, "return_tokens_as_token_ids": True}
+    content = httpx.post(server + "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for item in content:
+        named(item["token"])
+        assert item["bytes"] == list(item["token"].encode()) and len(item["top_logprobs"]) == 2
+        assert all(named(t["token"]) is not None for t in item["top_logprobs"])
+
+
+def test_chat_template_response_role_and_token_id_flags(tmp_path):
+    """vLLM's server flags: --chat-template (a file) renders every chat; --response-role names the
+    answer; --return-tokens-as-token-ids is the default a request can turn off;
+    --trust-request-chat-template lets a request bring its own template (one that does not parse,
+    or drops the message continue_final_message continues, is a 400 naming the field)."""
+    from minengine.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    template = tmp_path / "chat.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    proc, url = start_server(
+        "--chat-template",
+        str(template),
+        "--trust-request-chat-template",
+        "--response-role",
+        "bot",
+        "--return-tokens-as-token-ids",
+        "--max-total-tokens",
+        "512",
+    )
+    try:
+        base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "logprobs": True}
+
+        def chat(**extra):
+            return httpx.post(url + "/v1/chat/completions", json=base | extra)
+
+        out = chat().json()
+        assert out["usage"]["prompt_tokens"] == len(tok.encode("[user]hi>", add_special_tokens=False))
+        assert out["choices"][0]["message"]["role"] == "bot"
+        assert all(i["token"].startswith("token_id:") for i in out["choices"][0]["logprobs"]["content"])
+        texts = chat(return_tokens_as_token_ids=False).json()["choices"][0]["logprobs"]["content"]
+        assert [i["token"] for i in texts] == [
+            tok.token_text(int(i["token"][9:])) for i in out["choices"][0]["logprobs"]["content"]
+        ]
+        assert _chat_stream(url, base)[0]["delta"]["role"] == "bot"
+        own = chat(chat_template="{{ messages[-1].content }}!").json()
+        assert own["usage"]["prompt_tokens"] == len(tok.encode("hi!", add_special_tokens=False))
+        for extra, param in (
+            ({"chat_template": "{% for %}"}, "chat_template"),
+            (
+                {"chat_template": "{{ add_generation_prompt }}", "continue_final_message": True},
+                "continue_final_message",
+            ),
+        ):
+            r = chat(**extra)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    finally:
+        stop_server(proc)
 
 
 def test_completion_logprobs_equal_the_offline_ones_streamed_or_not(client):
@@ -1159,7 +1305,7 @@ def test_chat_logprobs_and_top_logprobs(client):
         ("completions", {"logprobs": -1}, "logprobs", "logprobs is -1; allowed"),
         ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "top_logprobs is 2; it needs logprobs: true"),
         ("chat/completions", {"logprobs": False, "top_logprobs": 1}, "top_logprobs", "needs logprobs: true"),
-        ("completions", {"logprobs": 1, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "does not"),
+        ("completions", {"logprobs": 1, "return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids", "a valid bool"),
         (
             "chat/completions",
             {"logprobs": True, "top_logprobs": 21},
@@ -1204,7 +1350,7 @@ def test_a_request_aborted_before_its_prompt_logprobs_came_still_answers():
         state = api.ServerState(SimpleNamespace(), tiny_tokenizer(), MODEL, Metrics())
         params = SamplingParams(logprobs=1, prompt_logprobs=1)
         choices = [api.Choice(0, [5, 6, 7], params, echo="ab" if echo else None)]
-        req = SimpleNamespace(stream=False, n=1)
+        req = SimpleNamespace(stream=False, n=1, return_tokens_as_token_ids=None)
         raw = SimpleNamespace(is_disconnected=connected)
         return json.loads((await api._respond(state, raw, req, choices, chat)).body)
 
@@ -1247,7 +1393,7 @@ def test_logprobs_of_tokens_without_text_go_with_the_next_chunk():
     async def run(chat):
         state = api.ServerState(SimpleNamespace(), tok, MODEL, Metrics())
         choices = [api.Choice(0, [1], SamplingParams(logprobs=1))]
-        stream = api._stream(state, choices, "id", 0, MODEL, chat, False, 1, {0})
+        stream = api._stream(state, choices, "id", 0, MODEL, "assistant" if chat else None, False, 1, {0}, False)
         return [json.loads(line[6:]) for line in [x async for x in stream] if line.startswith("data: {")]
 
     orig, api._pieces = api._pieces, fake_pieces

@@ -29,7 +29,7 @@ from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
-from minengine.tokenizer import Tokenizer
+from minengine.tokenizer import Tokenizer, chat_messages
 
 DRAIN_SECONDS = 5.0
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -119,6 +119,8 @@ class _Sampling(_NullIsDefault):
     allowed_token_ids: list[int] | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: the context length's)
+    # vLLM's: logprobs name tokens "token_id:<id>", not their text (None: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's: per prompt token from the second on, its logprob and the top ones (a stream takes only 0, and sends none)
     prompt_logprobs: int | None = None
     stream: bool = False
@@ -144,6 +146,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     chat_template_kwargs: dict[str, Any] | None = None  # as vLLM: extra variables for the chat template
+    # vLLM's template fields: open the answer's turn (None: unless continue_final_message); end the
+    # prompt inside the last message, for the answer to go on with it; this request's own template
+    # (with --trust-request-chat-template)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    echo: bool = False  # vLLM's: the answer starts with the last message, when that has the answer's role
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: the most likely tokens listed per token
@@ -159,6 +168,10 @@ class ServerState:
     served_model_name: str
     metrics: Metrics
     mode: str = "null"  # disaggregation mode: null | prefill | decode
+    # vLLM's flags of the same names
+    trust_request_chat_template: bool = False
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
     shutting_down: bool = False
     inflight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -257,7 +270,6 @@ _UNSUPPORTED = {
     "use_beam_search": (False,),
     "suffix": ("",),
     "top_logprobs": (0,),
-    "return_tokens_as_token_ids": (False,),
     "response_format": ({"type": "text"},),
     "guided_json": (),
     "guided_regex": (),
@@ -269,10 +281,6 @@ _UNSUPPORTED = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "echo": (False,),  # chat's (vLLM's: the last message first); the completions API declares its own
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
-    "chat_template": (),
 }
 
 
@@ -360,14 +368,31 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(key): value for key, value in bias.items()}
 
 
-def chat_prompt(tokenizer: Tokenizer, req: ChatCompletionRequest) -> str:
-    """The request's conversation rendered by the chat template (``Tokenizer.render_chat``)."""
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str, str | None]:
+    """The request's conversation rendered by the chat template (``Tokenizer.render_chat``), the
+    answer's role (vLLM's: the server's --response-role when the answer's turn is opened, else the
+    last message's), and the text ``echo`` puts before the answer (None: none)."""
     messages = [{**(m.model_extra or {}), "role": m.role, "content": m.content} for m in req.messages]
+    if not state.trust_request_chat_template and req.chat_template is not None:
+        why = "chat_template is given, but the server was not started with --trust-request-chat-template"
+        raise APIError(400, why, "chat_template")
     try:
-        return tokenizer.render_chat(messages, req.chat_template_kwargs)
+        text = state.tokenizer.render_chat(
+            messages, req.chat_template_kwargs, req.add_generation_prompt, req.continue_final_message, req.chat_template
+        )
     except ValueError as exc:
-        param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
-        raise APIError(400, str(exc), param) from None
+        name = str(exc).split(" ", 1)[0]
+        raise APIError(400, str(exc), name if name in _CHAT_FIELDS else "messages") from None
+    opened = req.add_generation_prompt if req.add_generation_prompt is not None else not req.continue_final_message
+    role = state.response_role if opened else req.messages[-1].role
+    echo = None
+    if req.echo and req.messages[-1].role == role:  # as vLLM: the last message, its parts joined
+        echo = chat_messages(messages[-1:])[0]["content"] or None
+    return text, role, echo
+
+
+# the fields render_chat's messages start with (the others are about the messages)
+_CHAT_FIELDS = ("chat_template_kwargs", "continue_final_message", "chat_template")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
@@ -385,7 +410,7 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     bootstrap: Bootstrap | None = None
-    echo: str | None = None  # the completions API's echo: the prompt's text, output first
+    echo: str | None = None  # echo: the prompt's text (the chat API's: the last message's), output first
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (its one token is dropped)
 
 
@@ -532,7 +557,7 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError(400, why, "top_logprobs")
             if not req.messages:
                 raise APIError(400, "messages is empty", "messages")
-            text = chat_prompt(state.tokenizer, req)
+            text, role, echo = chat_prompt(state, req)
             prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
             if (keep := _keep(state, req.truncate_prompt_tokens)) is not None:
                 prompt_ids = prompt_ids[-keep:]  # (encoded without special tokens: none to keep)
@@ -547,8 +572,9 @@ def build_app(state: ServerState) -> FastAPI:
                 except ValueError as exc:
                     raise APIError(400, str(exc), "messages") from None
             params = sampling_params(req, max_tokens, field_name, (req.top_logprobs or 0) if req.logprobs else None)
-            choices = _choices(state, [prompt_ids], params, bootstrap, "messages", field_name)
-        return await _respond(state, raw, req, choices, chat=True)
+            echoed = None if echo is None else [echo]
+            choices = _choices(state, [prompt_ids], params, bootstrap, "messages", field_name, echoed)
+        return await _respond(state, raw, req, choices, chat=True, role=role)
 
     return app
 
@@ -724,7 +750,10 @@ def _joined(pieces: list[Piece]) -> Piece:
     )
 
 
-async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: list[Choice], chat: bool) -> Response:
+async def _respond(
+    state: ServerState, raw: Request, req: _Sampling, choices: list[Choice], chat: bool, role: str = "assistant"
+) -> Response:
+    """The answer to a request of ``choices``, streamed or whole; ``role``: a chat answer's."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     model = state.served_model_name
@@ -732,9 +761,14 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
     # the prefix-cache hits of its first choice
     prompt_tokens = sum(len(c.prompt_ids) for c in choices[:: req.n])
     first_choices = {c.index for c in choices[:: req.n]}
+    as_ids = req.return_tokens_as_token_ids
+    as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        stream = _stream(state, choices, rid, created, model, chat, include_usage, prompt_tokens, first_choices)
+        chat_role = role if chat else None
+        stream = _stream(
+            state, choices, rid, created, model, chat_role, include_usage, prompt_tokens, first_choices, as_ids
+        )
         return StreamingResponse(stream, media_type="text/event-stream")
 
     state.enter()
@@ -772,11 +806,11 @@ async def _respond(state: ServerState, raw: Request, req: _Sampling, choices: li
         state.leave()
     body_choices = []
     for i, (c, t, r, sr) in enumerate(zip(choices, texts, reasons, stop_reasons, strict=True)):
-        output = {"message": {"role": "assistant", "content": t}} if chat else {"text": t}
+        output = {"message": {"role": role, "content": t}} if chat else {"text": t}
         ids, lp_entries = token_ids[i], entries[i]
-        if c.echo is not None and c.params.logprobs is not None:  # the prompt's tokens first
+        if c.echo is not None and c.params.logprobs is not None and not chat:  # the prompt's tokens first
             ids, lp_entries = c.prompt_ids + ids, _echo_entries(c, prompt_entries[i]) + lp_entries
-        lps = _logprobs(state.tokenizer, c, ids, lp_entries, chat)
+        lps = _logprobs(state.tokenizer, c, ids, lp_entries, chat, as_ids=as_ids)
         body_choices.append({"index": i, **output, "logprobs": lps, "finish_reason": r, "stop_reason": sr})
         if not chat:  # vLLM's field (null unless asked for)
             body_choices[-1]["prompt_logprobs"] = _prompt_logprobs(state.tokenizer, c, prompt_entries[i])
@@ -814,14 +848,21 @@ def _echo_entries(choice: Choice, prompt_entries: list | None) -> list:
 
 
 def _logprobs(
-    tokenizer: Tokenizer, choice: Choice, ids: list[int], entries: list, chat: bool, text_offset: int = 0
+    tokenizer: Tokenizer,
+    choice: Choice,
+    ids: list[int],
+    entries: list,
+    chat: bool,
+    text_offset: int = 0,
+    as_ids: bool = False,
 ) -> dict[str, Any] | None:
-    """A choice's ``logprobs`` object for the tokens ``ids`` (None when it did not ask for them)."""
+    """A choice's ``logprobs`` object for the tokens ``ids`` (None when it did not ask for them);
+    ``as_ids``: tokens named "token_id:<id>" (vLLM's ``return_tokens_as_token_ids``)."""
     if choice.params.logprobs is None:
         return None
     if chat:
-        return {"content": logprob_format.chat(ids, entries, tokenizer)}
-    return logprob_format.completion(ids, entries, tokenizer, text_offset)
+        return {"content": logprob_format.chat(ids, entries, tokenizer, as_ids)}
+    return logprob_format.completion(ids, entries, tokenizer, text_offset, as_ids)
 
 
 async def _stream(
@@ -830,11 +871,14 @@ async def _stream(
     rid: str,
     created: int,
     model: str,
-    chat: bool,
+    role: str | None,
     include_usage: bool,
     prompt_tokens: int,
     first_choices: set[int],
+    as_ids: bool,
 ) -> AsyncIterator[str]:
+    """The answer's chunks; ``role``: a chat answer's (None: a completion)."""
+    chat = role is not None
     kind: Literal["chat.completion.chunk", "text_completion"] = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
@@ -849,10 +893,15 @@ async def _stream(
     offsets = [0] * len(choices)
     echoed: set[int] = set()  # the choices whose prompt the stream has echoed
     try:
-        if chat:  # the role comes first, once per choice
+        if chat:  # the role comes first, once per choice, then what echo puts first (as vLLM)
             for c in choices:
-                delta = {"role": "assistant", "content": ""}
+                delta = {"role": role, "content": ""}
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+            for c in choices:
+                if c.echo is not None:
+                    echoed.add(c.index)
+                    delta = {"content": c.echo}
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
         async for index, piece in _pieces(state, choices):
             completion_tokens += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
@@ -870,7 +919,7 @@ async def _stream(
                 continue
             output = {"delta": {"content": text} if text else {}} if chat else {"text": text}
             reasons = {"finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
-            lps = _logprobs(state.tokenizer, choices[index], ids, entries, chat, offsets[index])
+            lps = _logprobs(state.tokenizer, choices[index], ids, entries, chat, offsets[index], as_ids)
             if lps is not None and ids and not chat:
                 offsets[index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
             pending[index] = ([], [])
