@@ -1089,6 +1089,51 @@ def test_return_tokens_as_token_ids(server):
         assert all(named(t["token"]) is not None for t in item["top_logprobs"])
 
 
+def test_return_token_ids_and_add_special_tokens(server):
+    """vLLM's return_token_ids: the prompt's and the output's token ids with the text (a stream:
+    each chunk's new ones, the prompt's in a choice's first chunk; a chat's at the top level);
+    add_special_tokens: a text prompt's BOS (default on for a completion, off for a chat, whose
+    template has its own), kept by truncate_prompt_tokens."""
+    from minengine.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    base = {"prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    out = httpx.post(server + "/v1/completions", json=base | {"n": 2}).json()
+    for choice in out["choices"]:
+        assert choice["prompt_token_ids"] == tok.encode("hi") and len(choice["token_ids"]) == 4
+        assert tok.decode(choice["token_ids"]) == choice["text"]
+    with httpx.stream("POST", server + "/v1/completions", json=base | {"stream": True}) as r:
+        chunks = [json.loads(x[6:])["choices"][0] for x in r.iter_lines() if x.startswith("data: {")]
+    assert [c.get("prompt_token_ids") for c in chunks] == [tok.encode("hi")] + [None] * (len(chunks) - 1)
+    assert [t for c in chunks for t in c["token_ids"]] == out["choices"][0]["token_ids"]
+    scored = httpx.post(server + "/v1/completions", json=base | {"max_tokens": 0, "echo": True}).json()
+    assert scored["choices"][0]["token_ids"] == [] and scored["choices"][0]["text"] == "hi"
+    plain = httpx.post(server + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    bare = httpx.post(server + "/v1/completions", json=base | {"add_special_tokens": False}).json()
+    assert bare["choices"][0]["prompt_token_ids"] == tok.encode("hi", add_special_tokens=False)
+
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = tok.encode(tok.render_chat(messages), add_special_tokens=False)
+    chat = {"messages": messages, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    out = httpx.post(server + "/v1/chat/completions", json=chat).json()
+    assert out["prompt_token_ids"] == rendered and len(out["choices"][0]["token_ids"]) == 3
+    chunks = _chat_stream(server, chat)
+    assert [t for c in chunks for t in c.get("token_ids", [])] == out["choices"][0]["token_ids"]
+    with httpx.stream("POST", server + "/v1/chat/completions", json=chat | {"stream": True}) as r:
+        first = json.loads(next(x for x in r.iter_lines() if x.startswith("data: {"))[6:])
+    assert first["prompt_token_ids"] == rendered and first["choices"][0]["delta"]["role"] == "assistant"
+    with_bos = httpx.post(server + "/v1/chat/completions", json=chat | {"add_special_tokens": True}).json()
+    assert with_bos["prompt_token_ids"] == tok.encode(tok.render_chat(messages))
+    cut = chat | {"add_special_tokens": True, "truncate_prompt_tokens": 5}
+    cut_ids = httpx.post(server + "/v1/chat/completions", json=cut).json()["prompt_token_ids"]
+    assert cut_ids == [with_bos["prompt_token_ids"][0], *rendered[-4:]]  # the BOS stays
+    for extra, param in (({"priority": 1}, "priority"), ({"cache_salt": "a"}, "cache_salt")):
+        r = httpx.post(server + "/v1/chat/completions", json=chat | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert httpx.post(server + "/v1/chat/completions", json=chat | {"priority": 0}).status_code == 200
+
+
 def test_chat_template_response_role_and_token_id_flags(tmp_path):
     """vLLM's server flags: --chat-template (a file) renders every chat; --response-role names the
     answer; --return-tokens-as-token-ids is the default a request can turn off;
@@ -1350,7 +1395,7 @@ def test_a_request_aborted_before_its_prompt_logprobs_came_still_answers():
         state = api.ServerState(SimpleNamespace(), tiny_tokenizer(), MODEL, Metrics())
         params = SamplingParams(logprobs=1, prompt_logprobs=1)
         choices = [api.Choice(0, [5, 6, 7], params, echo="ab" if echo else None)]
-        req = SimpleNamespace(stream=False, n=1, return_tokens_as_token_ids=None)
+        req = SimpleNamespace(stream=False, n=1, return_tokens_as_token_ids=None, return_token_ids=False)
         raw = SimpleNamespace(is_disconnected=connected)
         return json.loads((await api._respond(state, raw, req, choices, chat)).body)
 
@@ -1393,7 +1438,7 @@ def test_logprobs_of_tokens_without_text_go_with_the_next_chunk():
     async def run(chat):
         state = api.ServerState(SimpleNamespace(), tok, MODEL, Metrics())
         choices = [api.Choice(0, [1], SamplingParams(logprobs=1))]
-        stream = api._stream(state, choices, "id", 0, MODEL, "assistant" if chat else None, False, 1, {0}, False)
+        stream = api._stream(state, choices, "id", 0, MODEL, api._Shape("assistant" if chat else None), False, 1, {0})
         return [json.loads(line[6:]) for line in [x async for x in stream] if line.startswith("data: {")]
 
     orig, api._pieces = api._pieces, fake_pieces

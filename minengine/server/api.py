@@ -121,6 +121,7 @@ class _Sampling(_NullIsDefault):
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: the context length's)
     # vLLM's: logprobs name tokens "token_id:<id>", not their text (None: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     # vLLM's: per prompt token from the second on, its logprob and the top ones (a stream takes only 0, and sends none)
     prompt_logprobs: int | None = None
     stream: bool = False
@@ -135,6 +136,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt's BOS (as the tokenizer adds it)
 
 
 class ChatMessage(BaseModel):
@@ -153,6 +155,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template: str | None = None
     echo: bool = False  # vLLM's: the answer starts with the last message, when that has the answer's role
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens too, on top of the template's
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: the most likely tokens listed per token
@@ -279,6 +282,8 @@ _UNSUPPORTED = {
     "logits_processors": (),
     "tools": ([],),
     "tool_choice": ("none",),
+    "priority": (0,),  # (vLLM's, with --scheduling-policy priority)
+    "cache_salt": (),  # (vLLM's: a prefix cache of the salt's own)
     "functions": ([],),
     "function_call": ("none",),
 }
@@ -525,7 +530,8 @@ def build_app(state: ServerState) -> FastAPI:
         req = await parse_body(raw, CompletionRequest)
         with _peer_told(state, req):
             _check_open(state, req.model)
-            prompts, texts = _completion_prompts(state.tokenizer, req.prompt, _keep(state, req.truncate_prompt_tokens))
+            keep = _keep(state, req.truncate_prompt_tokens)
+            prompts, texts = _completion_prompts(state.tokenizer, req.prompt, keep, req.add_special_tokens)
             bootstrap = bootstrap_of(state, req, len(prompts))
             # as vLLM: echo with logprobs lists the prompt's tokens too, scored with ``prompt_logprobs``
             # top tokens when given (0 with stream too), else ``logprobs``
@@ -558,9 +564,11 @@ def build_app(state: ServerState) -> FastAPI:
             if not req.messages:
                 raise APIError(400, "messages is empty", "messages")
             text, role, echo = chat_prompt(state, req)
-            prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=False)
-            if (keep := _keep(state, req.truncate_prompt_tokens)) is not None:
-                prompt_ids = prompt_ids[-keep:]  # (encoded without special tokens: none to keep)
+            prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=req.add_special_tokens)
+            if (keep := _keep(state, req.truncate_prompt_tokens)) is not None and len(prompt_ids) > keep:
+                prompt_ids = _encode(
+                    state.tokenizer, text, "messages", add_special_tokens=req.add_special_tokens, truncate_left=keep
+                )
             field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             bootstrap = bootstrap_of(state, req, 1)
@@ -600,10 +608,11 @@ def _check_open(state: ServerState, model: str | None) -> None:
 
 
 def _completion_prompts(
-    tokenizer: Tokenizer, prompt: str | list, keep: int | None = None
+    tokenizer: Tokenizer, prompt: str | list, keep: int | None = None, add_special_tokens: bool = True
 ) -> tuple[list[list[int]], list[str | None]]:
     """Each prompt's token ids and text (None where token ids were given); ``keep``: at most that
-    many tokens of each, its last (a text's special tokens stay, as vLLM's tokenizer truncates)."""
+    many tokens of each, its last (a text's special tokens stay, as vLLM's tokenizer truncates);
+    ``add_special_tokens``: a text's, as the tokenizer adds them (a BOS)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
@@ -616,10 +625,10 @@ def _completion_prompts(
             ids.append(list(p)[-keep:] if keep is not None else list(p))
             texts.append(None)
             continue
-        ids.append(_encode(tokenizer, p, "prompt"))
+        ids.append(_encode(tokenizer, p, "prompt", add_special_tokens=add_special_tokens))
         texts.append(p)
         if keep is not None and len(ids[-1]) > keep:
-            ids[-1] = _encode(tokenizer, p, "prompt", truncate_left=keep)
+            ids[-1] = _encode(tokenizer, p, "prompt", add_special_tokens=add_special_tokens, truncate_left=keep)
             texts[-1] = tokenizer.decode(ids[-1])  # what ran, for echo
     return ids, texts
 
@@ -765,10 +774,8 @@ async def _respond(
     as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chat_role = role if chat else None
-        stream = _stream(
-            state, choices, rid, created, model, chat_role, include_usage, prompt_tokens, first_choices, as_ids
-        )
+        shape = _Shape(role if chat else None, as_ids, req.return_token_ids)
+        stream = _stream(state, choices, rid, created, model, shape, include_usage, prompt_tokens, first_choices)
         return StreamingResponse(stream, media_type="text/event-stream")
 
     state.enter()
@@ -814,6 +821,10 @@ async def _respond(
         body_choices.append({"index": i, **output, "logprobs": lps, "finish_reason": r, "stop_reason": sr})
         if not chat:  # vLLM's field (null unless asked for)
             body_choices[-1]["prompt_logprobs"] = _prompt_logprobs(state.tokenizer, c, prompt_entries[i])
+        if req.return_token_ids:  # vLLM's: the output's ids (the prompt's: a chat's at the top)
+            if not chat:
+                body_choices[-1]["prompt_token_ids"] = c.prompt_ids
+            body_choices[-1]["token_ids"] = token_ids[i]
     body = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -824,7 +835,19 @@ async def _respond(
     }
     if chat:  # vLLM's: once, at the top (the prompt's; its first choice's)
         body["prompt_logprobs"] = _prompt_logprobs(state.tokenizer, choices[0], prompt_entries[0])
+        if req.return_token_ids:
+            body["prompt_token_ids"] = choices[0].prompt_ids
     return JSONResponse(body)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a streamed answer looks like: a chat answer's ``role`` (None: a completion's), logprobs
+    naming tokens by id (``as_ids``), and token ids alongside the text (``token_ids``)."""
+
+    role: str | None
+    as_ids: bool = False
+    token_ids: bool = False
 
 
 def _prompt_logprobs(tokenizer: Tokenizer, choice: Choice, prompt_entries: list | None) -> list | None:
@@ -871,14 +894,15 @@ async def _stream(
     rid: str,
     created: int,
     model: str,
-    role: str | None,
+    shape: _Shape,
     include_usage: bool,
     prompt_tokens: int,
     first_choices: set[int],
-    as_ids: bool,
 ) -> AsyncIterator[str]:
-    """The answer's chunks; ``role``: a chat answer's (None: a completion)."""
-    chat = role is not None
+    """The answer's chunks. With ``shape.token_ids`` (vLLM's ``return_token_ids``), each chunk
+    has the output token ids it adds, and a choice's first the prompt's (a chat's: its role
+    chunk, at the top)."""
+    role, chat = shape.role, shape.role is not None
     kind: Literal["chat.completion.chunk", "text_completion"] = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
@@ -887,16 +911,19 @@ async def _stream(
 
     state.enter()
     completion_tokens = cached = 0
-    # logprobs of tokens not sent yet (a piece without text sends no chunk), and where each
-    # choice's next token starts in its text (the completions API's text_offset)
-    pending: list[tuple[list[int], list]] = [([], []) for _ in choices]
+    # tokens not sent yet (a piece without text sends no chunk): those logprobs are for (with
+    # echo, the prompt's first), their entries, the output's; and where each choice's next token
+    # starts in its text (the completions API's text_offset)
+    pending: list[tuple[list[int], list, list[int]]] = [([], [], []) for _ in choices]
     offsets = [0] * len(choices)
     echoed: set[int] = set()  # the choices whose prompt the stream has echoed
+    sent: set[int] = set()  # the choices a chunk has been sent for
     try:
         if chat:  # the role comes first, once per choice, then what echo puts first (as vLLM)
             for c in choices:
                 delta = {"role": role, "content": ""}
-                yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                prompt = {"prompt_token_ids": c.prompt_ids} if shape.token_ids else {}
+                yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}], **prompt)
             for c in choices:
                 if c.echo is not None:
                     echoed.add(c.index)
@@ -905,7 +932,7 @@ async def _stream(
         async for index, piece in _pieces(state, choices):
             completion_tokens += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
-            ids, entries = pending[index]
+            ids, entries, new_ids = pending[index]
             c, text = choices[index], piece.text
             if c.echo is not None and index not in echoed:  # the prompt goes first, in the first chunk
                 echoed.add(index)
@@ -915,14 +942,19 @@ async def _stream(
                     entries += _echo_entries(c, piece.prompt_logprobs)
             ids += piece.token_ids
             entries += piece.logprobs or ()
+            new_ids += piece.token_ids
             if not text and piece.finish_reason is None:
                 continue
             output = {"delta": {"content": text} if text else {}} if chat else {"text": text}
             reasons = {"finish_reason": piece.finish_reason, "stop_reason": piece.stop_reason}
-            lps = _logprobs(state.tokenizer, choices[index], ids, entries, chat, offsets[index], as_ids)
+            lps = _logprobs(state.tokenizer, choices[index], ids, entries, chat, offsets[index], shape.as_ids)
             if lps is not None and ids and not chat:
                 offsets[index] = lps["text_offset"][-1] + len(lps["tokens"][-1])
-            pending[index] = ([], [])
+            pending[index] = ([], [], [])
+            if shape.token_ids:  # the output's ids this chunk adds; a completion's first chunk: the prompt's
+                first = not chat and index not in sent
+                output |= ({"prompt_token_ids": c.prompt_ids} if first else {}) | {"token_ids": new_ids}
+                sent.add(index)
             yield chunk([{"index": index, **output, "logprobs": lps, **reasons}])
         if include_usage:
             yield chunk([], usage=usage(prompt_tokens, completion_tokens, cached))
