@@ -157,7 +157,7 @@ setup(
         "numpy",
         "safetensors",
         "tokenizers>=0.19",
-        "jinja2>=3.1",  # chat templates, rendered as transformers renders them
+        "jinja2>=3.1.6",  # chat templates, rendered as transformers renders them (sandbox fixes up to 3.1.6)
         "tqdm",
         "fastapi",
         "uvicorn",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
@@ -99,7 +99,7 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new one")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        texts, ids, from_text = [], [], []
+        texts, ids, from_text, salts = [], [], [], []
         for i, p in enumerate(prompts):
             text, p_ids = _prompt(p)
             if p_ids is None and text is None:
@@ -108,6 +108,7 @@ class LLM:
                     "{'prompt': str} or {'prompt_token_ids': [int, ...]}"
                 )
             texts.append(text)
+            salts.append(p.get("cache_salt") if isinstance(p, dict) else None)
             from_text.append(p_ids is None)
             ids.append(self.tokenizer.encode(text) if p_ids is None else p_ids)
         if sampling_params is None:
@@ -120,6 +121,8 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"sampling_params[{i}] is a {type(p).__name__}; expected SamplingParams")
             try:
+                if salts[i] is not None:  # vLLM's prompt key: the prefix cache of the salt's own
+                    params[i] = p = replace(p, cache_salt=salts[i])
                 keep = truncation(p.truncate_prompt_tokens, r.context_length)
                 if keep is not None and len(p_ids) > keep:
                     # a text's special tokens (BOS) stay, as vLLM's tokenizer truncates
@@ -219,7 +222,8 @@ class LLM:
 
 def _prompt(p) -> tuple[str | None, list[int] | None]:
     """(text, token ids) of one prompt as vLLM takes it: a string, token ids, or the TextPrompt /
-    TokensPrompt dicts; (None, None) for anything else."""
+    TokensPrompt dicts (their ``cache_salt`` is the caller's to read); (None, None) for anything
+    else."""
     if isinstance(p, str):
         return p, None
     if isinstance(p, (list, tuple)):

@@ -119,15 +119,15 @@ def chat(
     ids: list[int], entries: list[TokenLogprobs], tokenizer: Tokenizer, as_ids: bool = False
 ) -> list[dict[str, Any]]:
     """The chat API's ``logprobs.content``: per token its text, logprob and UTF-8 bytes, and the
-    top tokens' (``top_logprobs`` of them, most likely first); ``as_ids``: as ``completion``'s."""
+    top tokens' (``top_logprobs`` of them, most likely first); ``as_ids``: as ``completion``'s,
+    where (as vLLM) a sampled token's bytes stay its text's, a top token's are its name's."""
     name = _namer(tokenizer, as_ids)
 
-    def item(token: int, lp: float) -> dict[str, Any]:
-        text = name(token)
-        return {"token": text, "logprob": _floor(lp), "bytes": list(text.encode("utf-8", "surrogatepass"))}
+    def item(token: int, lp: float, text: str) -> dict[str, Any]:
+        return {"token": name(token), "logprob": _floor(lp), "bytes": list(text.encode("utf-8", "surrogatepass"))}
 
     content = []
     for token, (lp, _, top_ids, top_lps) in zip(ids, entries, strict=True):
-        top = [item(t, v) for t, v in zip(top_ids, top_lps, strict=True)]
-        content.append({**item(token, lp), "top_logprobs": top})
+        top = [item(t, v, name(t)) for t, v in zip(top_ids, top_lps, strict=True)]
+        content.append({**item(token, lp, tokenizer.token_text(token)), "top_logprobs": top})
     return content

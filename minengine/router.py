@@ -362,15 +362,19 @@ class Router:
             return error_response(503, f"not healthy: {', '.join(down)}")
         return Response(status_code=200)
 
-    async def models(self) -> Response:
-        """The first decode server that answers without a 5xx (those not marked down first): all
-        serve one model."""
+    async def any_decode(self, path: str, body: bytes | None = None) -> Response:
+        """``path`` (a GET; with a ``body``, a POST) answered by the first decode server that
+        answers without a 5xx (those not marked down first): all serve one model and tokenizer."""
         now = time.monotonic()
         order = sorted(self.decode.backends, key=lambda b: b.down_until > now)
         errors, answer = [], None
         for d in order:
             try:
-                resp = await self.client.get(d.url + "/v1/models", timeout=5)
+                if body is None:
+                    resp = await self.client.get(d.url + path, timeout=5)
+                else:
+                    headers = {"content-type": "application/json"}
+                    resp = await self.client.post(d.url + path, content=body, headers=headers, timeout=5)
             except httpx.HTTPError as exc:
                 d.unreachable(exc)
                 errors.append(f"the decode server {d.url} failed: {exc!r}")
@@ -465,7 +469,19 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return await router.models()
+        return await router.any_decode("/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return await router.any_decode("/tokenize", await raw.body())
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return await router.any_decode("/detokenize", await raw.body())
+
+    @app.get("/version")
+    async def version() -> Response:
+        return await router.any_decode("/version")
 
     @app.get("/health")
     async def health() -> Response:

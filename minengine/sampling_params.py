@@ -16,6 +16,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # the OpenAI API's
 # at most this many bad words a request, and tokens in all their tokenizations together (vLLM's
 # model runner caps the second at 1024 too): each step compares the output's tail with them
 MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024
+MAX_CACHE_SALT = 1024  # characters
 # temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one overflows
 GREEDY_TEMPERATURE = 1e-5
 
@@ -64,6 +65,10 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context length takes)
     truncate_prompt_tokens: int | None = None
+    # vLLM's (there a prompt's key): the request shares prefix-cache KV only with requests of the
+    # same salt (None: with those of none), so one tenant cannot tell what another's prompts were
+    # from how fast its own come back
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (
@@ -143,6 +148,9 @@ class SamplingParams:
             raise ValueError(
                 f"truncate_prompt_tokens is {k!r}; allowed: None, -1 (the context length) or an integer >= 1"
             )
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT):
+            raise ValueError(f"cache_salt is {salt!r:.80}; allowed: None or a string of 1..{MAX_CACHE_SALT} characters")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             raise ValueError(f"seed is {self.seed} with n {self.n}; allowed: seed + n - 1 <= {SEED_MAX}")
 

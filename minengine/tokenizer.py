@@ -38,6 +38,7 @@ class Tokenizer:
         # decoding skips these, so a stream of them adds no text
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._token_texts: dict[int, str] = {}
+        self._compiled: tuple[str, jinja2.Template] | None = None  # chat_template, compiled
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -96,7 +97,12 @@ class Tokenizer:
         further template variables (vLLM's ``chat_template_kwargs``, e.g. enable_thinking)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        template = compile_chat_template(chat_template or self.chat_template)
+        if chat_template is not None:
+            template = compile_chat_template(chat_template)
+        else:  # the tokenizer's own, compiled once (kept out of the cache of other templates)
+            if self._compiled is None or self._compiled[0] is not self.chat_template:
+                self._compiled = (self.chat_template, _compile(self.chat_template))
+            template = self._compiled[1]
         if continue_final_message:
             messages, final = _tag_final_message(messages)
         # tools and documents as transformers passes them when a request has none
@@ -132,10 +138,12 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if chat_template is not None:
+            if not chat_template:
+                raise ValueError("chat_template is empty; allowed: a Jinja template, or null for the model's")
             try:
                 compile_chat_template(chat_template)
-            except jinja2.TemplateError as exc:
-                raise ValueError(f"chat_template does not parse as a Jinja template: {exc}") from None
+            except Exception as exc:  # a TemplateSyntaxError; a SyntaxError or RecursionError when nested deep
+                raise ValueError(f"chat_template does not parse as a Jinja template: {_why(exc)}") from None
         messages = chat_messages(messages)
         try:
             return self.apply_chat_template(
@@ -144,7 +152,8 @@ class Tokenizer:
         except FinalMessageError:
             raise
         except Exception as exc:  # a template may raise on messages it does not accept
-            raise ValueError(f"the chat template failed: {exc}") from None
+            whose = "the chat template" if chat_template is None else "chat_template"
+            raise ValueError(f"{whose} failed on these messages: {_why(exc)}") from None
 
 
 # render_chat's arguments, which chat_template_kwargs may not set
@@ -184,11 +193,22 @@ def _cut_at_tag(text: str, final: str) -> str:
     return text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
-@functools.lru_cache(maxsize=16)  # the checkpoint's template, and a few of the requests'
+def _why(exc: BaseException) -> str:
+    """An exception as an error message's end: its text, or its kind when it has none."""
+    return str(exc) or type(exc).__name__
+
+
+@functools.lru_cache(maxsize=8)  # a few of the requests' own templates
 def compile_chat_template(source: str) -> jinja2.Template:
+    """``_compile``, cached."""
+    return _compile(source)
+
+
+def _compile(source: str) -> jinja2.Template:
     """``source`` compiled in the environment transformers renders templates in: sandboxed,
     {% break %} / {% continue %}, a tojson that does not HTML-escape, strftime_now and
-    raise_exception. jinja2.TemplateSyntaxError when it does not parse."""
+    raise_exception. jinja2.TemplateSyntaxError when it does not parse (a SyntaxError or a
+    RecursionError when it nests too deep for Python)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
@@ -200,19 +220,28 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 def load_chat_template(value: str) -> str:
     """vLLM's ``--chat-template``: a file's path, or the template itself (text with a brace or a
-    newline in it). ValueError for anything else, or a template that does not parse."""
-    path = Path(value)
-    if path.is_file():
+    newline in it), whose backslash escapes (``\\n``) are decoded as vLLM decodes them.
+    ValueError for anything else, or a template that does not parse."""
+    try:
+        is_file = Path(value).is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL: no file's
+        is_file = False
+    if is_file:
         try:
-            value = path.read_text()
+            value = Path(value).read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{value!r} cannot be read: {exc}") from None
     elif not any(c in value for c in "{}\n"):
-        raise ValueError(f"{value!r} is no file, nor a template (no braces or newlines in it)")
+        raise ValueError(f"{value!r:.80} is no file, nor a template (no braces or newlines in it)")
+    else:  # (characters past Latin-1 go through as escapes of their own)
+        try:
+            value = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError as exc:  # a broken escape: "\\x4"
+            raise ValueError(f"the template has a broken backslash escape: {exc}") from None
     try:
-        compile_chat_template(value)
-    except jinja2.TemplateError as exc:
-        raise ValueError(f"the template does not parse: {exc}") from None
+        _compile(value)
+    except Exception as exc:
+        raise ValueError(f"the template does not parse: {_why(exc)}") from None
     return value
 
 

@@ -148,3 +148,23 @@ def test_chat_templates_render_as_transformers_renders_them(tmp_path):
     tok = Tokenizer.from_dir(tmp_path)
     text = tok.apply_chat_template([{"role": "user", "content": "<a & 'b'>"}], enable_thinking=False)
     assert text == """user:"<a & 'b'>";nothink"""
+
+
+def test_load_chat_template_takes_a_file_or_the_text_as_vllm(tmp_path):
+    """vLLM's --chat-template: a file's path, or the template itself (however long), its escapes
+    decoded; anything else, or a template that does not parse, is a ValueError naming why."""
+    from minengine.tokenizer import load_chat_template
+
+    file = tmp_path / "chat.jinja"
+    file.write_text("{{ messages[0].content }}\\n東")
+    assert load_chat_template(str(file)) == "{{ messages[0].content }}\\n東"  # a file's text as it is
+    inline = "{{ messages[0].content }}" + "x" * 300 + "\\n東é"  # longer than a file name may be
+    assert load_chat_template(inline) == inline[:-4] + "\n東é"
+    for bad, why in (
+        ("chat.jinja", "is no file, nor a template"),
+        ("{% if %}", "the template does not parse"),
+        ("{{ x }}\\x4", "broken backslash escape"),
+        ("{% for x in y %}" * 40 + "{% endfor %}" * 40, "the template does not parse"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            load_chat_template(bad)

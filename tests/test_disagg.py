@@ -236,6 +236,21 @@ def test_decode_radix_cache_asks_only_for_new_pages(pair, reference):
     assert all(on < off for on, off in zip(pages[True][1:], pages[False][1:], strict=True))
 
 
+def test_a_cache_salt_keeps_its_own_pages_on_both_servers(pair, reference):
+    """vLLM's cache_salt across disaggregation: the decode radix cache serves a prompt only to a
+    request of the same salt, and the prefill server's cache too; the outputs are the same."""
+    pd = pair(decode_radix=True)
+    want = reference([PROMPTS[4]])[0]
+    for i, salt in enumerate(["a", "a", "b", None]):
+        pd.submit(f"s{i}", PROMPTS[4], replace(GREEDY, cache_salt=salt))
+        pd.run_until(pd.done(f"d:s{i}", f"p:s{i}"))
+        assert pd.out[f"d:s{i}"]["tokens"] == want
+    held = len(PROMPTS[4]) // PS * PS  # the first request's whole prompt pages
+    assert [pd.out[f"d:s{i}"]["cached"] for i in range(4)] == [0, held, 0, 0]
+    assert [pd.out[f"p:s{i}"]["cached"] for i in range(4)] == [0, held, 0, 0]
+    pd.run_until(pd.idle)
+
+
 # --- failures: every one ends with a clear error and no KV held on either side ------------------
 
 

@@ -292,6 +292,31 @@ def test_num_cached_tokens_counts_the_prompt_pages_the_prefix_cache_served(llm, 
     assert again.num_cached_tokens == 40 and both.num_cached_tokens == 40
 
 
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_a_cache_salt_shares_the_prefix_cache_only_within_the_salt(llm, dp_size):
+    """vLLM's cache_salt (a prompt dict's key offline): a prompt is a prefix-cache hit only for a
+    request of the same salt; the output is the same either way."""
+    prompt = [7 + i % 150 for i in range(41)]  # 10 full pages of 4, and one token
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    here = llm if dp_size == 1 else LLM("tiny", page_size=4, max_total_tokens=4096, dp_size=2)
+
+    def run(salt=None, n=1):
+        p = {"prompt_token_ids": prompt} | ({} if salt is None else {"cache_salt": salt})
+        # (with dp_size 2, once on each worker: round-robin)
+        outs = [here.generate([p], replace(params, n=n), use_tqdm=False)[0] for _ in range(dp_size)]
+        return outs[-1]
+
+    try:
+        first = [run("a"), run("a"), run("b"), run(), run(), run("b", n=2)]
+        with pytest.raises(ValueError, match="prompt 0: cache_salt is ''; allowed: None or a string of 1..1024"):
+            here.generate([{"prompt": "x", "cache_salt": ""}], params, use_tqdm=False)
+    finally:
+        if here is not llm:
+            here.shutdown()
+    assert [o.num_cached_tokens for o in first] == [0, 40, 0, 0, 40, 40]
+    assert len({tuple(o.outputs[0].token_ids) for o in first}) == 1
+
+
 def test_text_is_decoded_once_without_stop_strings(llm):
     """Without stop strings the engine decodes a request's output once, when it ends; with one, token
     by token. Either way the text is the decode of the output."""

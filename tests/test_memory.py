@@ -92,27 +92,61 @@ def test_random_operations_keep_accounting():
     for _ in range(300):
         op = rng.random()
         tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
-        if op < 0.5:
+        salt = rng.choice([None, "a", "b", "c"])
+        if op < 0.45:
             n_full = len(tokens) // ps
             pages = alloc.alloc(n_full)
             if pages is None:
                 cache.evict(n_full)
                 continue
-            already = cache.insert(tokens, pages) // ps
+            already = cache.insert(tokens, pages, salt) // ps
             alloc.free(pages[:already])
-        elif op < 0.7:
-            _, node = cache.match_prefix(tokens)
+        elif op < 0.65:
+            _, node = cache.match_prefix(tokens, salt)
             cache.lock(node)
             locked.append(node)
-        elif op < 0.85 and locked:
+        elif op < 0.8 and locked:
             cache.unlock(locked.pop(rng.randrange(len(locked))))
+        elif op < 0.9:
+            cache._sweep_at = 2  # (a real sweep: it walks from one salt's root on)
+            cache.sweep()
         else:
             cache.evict(rng.randrange(1, 6))
         nodes = list(cache._nodes())
+        for n in [*nodes, *locked]:  # every node hangs from a root the cache knows
+            while n.parent is not None:
+                n = n.parent
+            assert cache.roots.get(getattr(n, "salt", None)) is n
         assert cache.total_pages == sum(len(n.pages) for n in nodes)
         assert cache.protected_pages == sum(len(n.pages) for n in nodes if n.lock_ref > 0)
         assert alloc.num_free + cache.total_pages == 400
         assert all(len(n.key) == len(n.pages) * ps for n in nodes)
+
+
+def test_a_cache_salt_has_a_tree_of_its_own():
+    """vLLM's cache_salt: requests share KV only with requests of the same salt; a salt's root
+    is forgotten by a sweep once no page is under it and no request holds it, and the version
+    moves on then, so that no match made before is used."""
+    cache, alloc = make_cache()
+    a, b = alloc.alloc(2), alloc.alloc(2)
+    assert cache.insert([1, 1, 2, 2], a, "tenant a") == 0
+    assert cache.match_prefix([1, 1, 2, 2, 3])[0] == [] and cache.match_prefix([1, 1, 2, 2], "b")[0] == []
+    assert cache.match_prefix([1, 1, 2, 2, 3], "tenant a")[0] == a
+    assert cache.insert([1, 1, 2, 2], b) == 0 and cache.match_prefix([1, 1, 2, 2, 3])[0] == b
+    assert cache.total_pages == 4 and set(cache.roots) == {None, "tenant a", "b"}
+    cache._sweep_at = 1
+    _, held = cache.match_prefix([7, 7], "held")
+    cache.lock(held)
+    v = cache.version
+    cache.sweep()  # "b" (bare) goes; "tenant a" has pages, "held" is held
+    assert set(cache.roots) == {None, "tenant a", "held"} and cache.version > v
+    cache.unlock(held)
+    assert cache.evict(4) == 4 and alloc.num_free == 64
+    cache.sweep()  # not yet: the walk waits for twice as many roots (64 at least)
+    assert len(cache.roots) == 3
+    cache._sweep_at = 3
+    cache.sweep()
+    assert set(cache.roots) == {None} and cache.total_pages == cache.protected_pages == 0
 
 
 def test_page_table_writes_last_one_wins_and_flush_has_no_duplicate_index():

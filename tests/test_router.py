@@ -111,6 +111,14 @@ def test_multi_turn_chat_through_the_router_equals_one_server(cluster):
     got = via.chat.completions.create(**kwargs)
     assert got.choices[0].message.content.startswith("The") and got.usage.completion_tokens == 8
     assert got.choices[0].message.content == ref.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = via.chat.completions.create(**kwargs, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == got.choices[0].message.content
+    # /tokenize, /detokenize and /version: a decode server's answer
+    for path in ("/tokenize", "/detokenize"):
+        body = {"prompt": "hi"} if path == "/tokenize" else {"tokens": [1, 2]}
+        got, want = (httpx.post(cluster[k] + path, json=body) for k in ("router", "decode"))
+        assert got.status_code == 200 and got.json() == want.json()
+    assert httpx.get(cluster["router"] + "/version").json() == httpx.get(cluster["single"] + "/version").json()
     m = metrics(cluster["decode"])
     assert m["minengine:kv_transfer_bytes_total"] > 0 and m["minengine:kv_transfer_seconds_count"] >= 4
     assert metrics(cluster["prefill"])["minengine:kv_transfer_pages_sent_total"] > 0

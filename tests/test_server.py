@@ -35,18 +35,22 @@ def start_server(*flags: str, tmpdir: Path | None = None) -> tuple[subprocess.Po
     port = free_port()
     cmd = [sys.executable, "-m", "minengine.serve", "--port", str(port), "--log-level", "warning", *flags]
     env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    # its log goes to a file (the server keeps writing it once this one is closed): a pipe nobody
+    # reads would stall the server once it filled
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited: {log.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not start")
 
@@ -1017,7 +1021,7 @@ def test_continue_final_message_add_generation_prompt_and_echo_as_vllm(server):
     """vLLM's chat template fields give the offline LLM.chat's tokens. continue_final_message: the
     prompt ends inside the last message; add_generation_prompt false: the answer takes the last
     message's role; echo: the answer starts with the last message when it has the answer's role
-    (a stream sends it after the role, as vLLM)."""
+    (a stream sends it with the first output token's text; vLLM, on its own before it)."""
     from minengine import LLM, SamplingParams
 
     user, partial = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}
@@ -1046,8 +1050,8 @@ def test_continue_final_message_add_generation_prompt_and_echo_as_vllm(server):
         assert echoed["choices"][0]["message"] == {"role": role, "content": echo + message["content"]}
         chunks = _chat_stream(server, base | body | {"echo": True})
         assert chunks[0]["delta"] == {"role": role, "content": ""}
-        if echo:
-            assert chunks[1]["delta"] == {"content": echo} and chunks[1]["logprobs"] is None
+        if echo:  # with the first output (a router tells output from the role events by their text)
+            assert chunks[1]["delta"]["content"].startswith(echo) and len(chunks[1]["delta"]["content"]) > len(echo)
         assert "".join(c["delta"].get("content", "") for c in chunks) == echo + message["content"]
 
 
@@ -1083,10 +1087,10 @@ def test_return_tokens_as_token_ids(server):
     chat |= {"top_logprobs": 2, "return_tokens_as_token_ids": True}
     content = httpx.post(server + "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 3
-    for item in content:
-        named(item["token"])
-        assert item["bytes"] == list(item["token"].encode()) and len(item["top_logprobs"]) == 2
-        assert all(named(t["token"]) is not None for t in item["top_logprobs"])
+    for item in content:  # (as vLLM: a sampled token's bytes are its text's, a top token's its name's)
+        assert item["bytes"] == list(named(item["token"]).encode()) and len(item["top_logprobs"]) == 2
+        for top in item["top_logprobs"]:
+            assert top["bytes"] == list(top["token"].encode()) and named(top["token"]) is not None
 
 
 def test_return_token_ids_and_add_special_tokens(server):
@@ -1128,10 +1132,80 @@ def test_return_token_ids_and_add_special_tokens(server):
     cut = chat | {"add_special_tokens": True, "truncate_prompt_tokens": 5}
     cut_ids = httpx.post(server + "/v1/chat/completions", json=cut).json()["prompt_token_ids"]
     assert cut_ids == [with_bos["prompt_token_ids"][0], *rendered[-4:]]  # the BOS stays
-    for extra, param in (({"priority": 1}, "priority"), ({"cache_salt": "a"}, "cache_salt")):
+    for extra, param in (({"priority": 1}, "priority"), ({"cache_salt": ""}, "cache_salt")):
         r = httpx.post(server + "/v1/chat/completions", json=chat | extra)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert httpx.post(server + "/v1/chat/completions", json=chat | {"priority": 0}).status_code == 200
+
+
+def test_cache_salt_shares_cached_prompt_tokens_only_within_the_salt(server):
+    """vLLM's cache_salt: usage's cached_tokens count prefix-cache hits of the same salt only."""
+
+    def cached(salt=None, path="/v1/completions"):
+        body = {"max_tokens": 1} | ({} if salt is None else {"cache_salt": salt})
+        if path == "/v1/completions":
+            body["prompt"] = "zq: a prompt no other test's starts as, salted " * 2
+        else:
+            # (a role no other test's chat starts with: their template prefix is no hit either)
+            body["messages"] = [{"role": "salted", "content": "a conversation, salted " * 3}]
+        r = httpx.post(server + path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert cached("tenant a", path) == 0
+        assert cached("tenant a", path) > 0
+        assert cached("tenant b", path) == 0 and cached(None, path) == 0
+
+
+def test_tokenize_detokenize_and_version(server):
+    """vLLM's /tokenize (a prompt, or messages through the chat template with the chat API's
+    fields: the ids a chat request runs with), /detokenize (special tokens kept) and /version."""
+    import minengine
+    from minengine.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+
+    def post(path, **body):
+        return httpx.post(server + path, json=body)
+
+    context = httpx.get(server + "/v1/models").json()["data"][0]["max_model_len"]
+    ids = tok.encode("hi")
+    assert post("/tokenize", prompt="hi").json() == {
+        "count": len(ids),
+        "max_model_len": context,
+        "tokens": ids,
+        "token_strs": None,
+    }
+    bare = post("/tokenize", prompt="hi", add_special_tokens=False, return_token_strs=True).json()
+    assert bare["tokens"] == tok.encode("hi", add_special_tokens=False) == [104, 105]
+    assert bare["token_strs"] == ["h", "i"]
+    partial = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The"}]
+    for fields in ({}, {"continue_final_message": True}, {"add_special_tokens": True}):
+        counted = post("/tokenize", messages=partial, **fields).json()["tokens"]
+        ran = post("/v1/chat/completions", messages=partial, max_tokens=1, return_token_ids=True, **fields).json()
+        assert counted == ran["prompt_token_ids"], fields
+    assert post("/detokenize", tokens=ids).json() == {"prompt": tok.decode(ids, skip_special_tokens=False)}
+    assert post("/detokenize", tokens=ids).json()["prompt"].endswith("hi")
+    for path, body, param, message in (
+        ("/tokenize", {}, "prompt", "either prompt or messages"),
+        ("/tokenize", {"prompt": "hi", "messages": partial}, "prompt", "either prompt or messages"),
+        ("/tokenize", {"messages": []}, "messages", "messages is empty"),
+        ("/tokenize", {"messages": partial, "chat_template": "x"}, "chat_template", "--trust-request-chat-template"),
+        ("/tokenize", {"prompt": 5}, "prompt", "prompt is 5"),
+        (
+            "/detokenize",
+            {"tokens": [104, 10**6]},
+            "tokens",
+            f"tokens.1 is 1000000; allowed: token ids 0..{tok.vocab_size - 1}",
+        ),
+        ("/detokenize", {"tokens": ["h"]}, "tokens", "tokens.0 is"),
+    ):
+        r = httpx.post(server + path, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and message in error["message"], (body, r.text)
+    assert post("/tokenize", prompt="hi", model="other").status_code == 404
+    assert httpx.get(server + "/version").json() == {"version": minengine.__version__}
 
 
 def test_chat_template_response_role_and_token_id_flags(tmp_path):
@@ -1173,8 +1247,14 @@ def test_chat_template_response_role_and_token_id_flags(tmp_path):
         assert _chat_stream(url, base)[0]["delta"]["role"] == "bot"
         own = chat(chat_template="{{ messages[-1].content }}!").json()
         assert own["usage"]["prompt_tokens"] == len(tok.encode("hi!", add_special_tokens=False))
+        deep = "{% for x in y %}" * 40 + "{% endfor %}" * 40  # nested past what Python compiles
         for extra, param in (
             ({"chat_template": "{% for %}"}, "chat_template"),
+            ({"chat_template": deep}, "chat_template"),
+            ({"chat_template": "{{ " + "(" * 2000 + "1" + ")" * 2000 + " }}"}, "chat_template"),
+            ({"chat_template": ""}, "chat_template"),
+            ({"chat_template": "x" * 65537}, "chat_template"),
+            ({"chat_template": "{{ raise_exception('no') }}"}, "chat_template"),
             (
                 {"chat_template": "{{ add_generation_prompt }}", "continue_final_message": True},
                 "continue_final_message",

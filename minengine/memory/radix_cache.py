@@ -7,6 +7,10 @@ unlocked leaves are evicted least-recently-used first when the allocator runs sh
 
 Page ownership: pages in the tree belong to the cache. ``insert`` reports how many leading
 tokens were already cached, so the caller can free its duplicate pages.
+
+A cache salt (vLLM's ``cache_salt``) gives its requests a tree of their own, under a root of its
+own: they share KV only with requests of the same salt. ``sweep`` forgets the roots no page is
+under and no request holds (the scheduler calls it where it holds no match).
 """
 
 from __future__ import annotations
@@ -30,12 +34,25 @@ class Node:
         self.last_access = next(_clock)
 
 
+class _Root(Node):
+    """A salt's root (``RadixCache.root_of``)."""
+
+    __slots__ = ("salt",)
+
+    def __init__(self, salt: str):
+        super().__init__(None, [], [])
+        self.salt = salt
+        self.lock_ref = 1  # the tree's own: with only this one and no page under it, sweep forgets it
+
+
 class RadixCache:
     def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]):
         self.page_size = page_size
         self._free_pages = free_pages
         self.root = Node(None, [], [])
         self.root.lock_ref = 1  # never evicted
+        self.roots: dict[str | None, Node] = {None: self.root}  # by cache salt
+        self._sweep_at = 64  # sweep once there are this many roots
         self.total_pages = 0
         self.protected_pages = 0  # pages in locked nodes
         # bumped when pages enter or leave the tree: a match made at an older version may be stale
@@ -46,10 +63,30 @@ class RadixCache:
     def evictable_pages(self) -> int:
         return self.total_pages - self.protected_pages
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
-        """Pages of the longest cached page-aligned prefix of ``tokens``, and the node it ends at."""
+    def root_of(self, salt: str | None) -> Node:
+        """The root of ``salt``'s tree (made when it has none: a salt's first request)."""
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = _Root(salt)
+        return root
+
+    def sweep(self) -> None:
+        """Forget the salts' roots with no page under them that no request holds, once there are
+        many roots (the walk is over all of them: amortized, a few per new salt). A match made
+        before may end at such a root: the version moves on, so that it is made again."""
+        if len(self.roots) < self._sweep_at:
+            return
+        bare = [s for s, r in self.roots.items() if r is not self.root and not r.children and r.lock_ref == 1]
+        for salt in bare:
+            del self.roots[salt]
+        self.version += bool(bare)
+        self._sweep_at = max(64, 2 * len(self.roots))
+
+    def match_prefix(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], Node]:
+        """Pages of the longest cached page-aligned prefix of ``tokens`` in ``salt``'s tree, and the
+        node it ends at."""
         ps = self.page_size
-        node, pages, i = self.root, [], 0
+        node, pages, i = self.root_of(salt), [], 0
         while i + ps <= len(tokens):
             child = node.children.get(tuple(tokens[i : i + ps]))
             if child is None:
@@ -63,10 +100,11 @@ class RadixCache:
             node = child
         return pages, node
 
-    def insert(self, tokens: list[int], pages: list[int]) -> int:
-        """Cache the full pages of ``tokens`` (KV in ``pages``); returns how many tokens were cached
-        already: the caller's pages for them are duplicates, and stay the caller's to free."""
-        return self.insert_below(self.root, 0, tokens, pages)[0]
+    def insert(self, tokens: list[int], pages: list[int], salt: str | None = None) -> int:
+        """Cache the full pages of ``tokens`` (KV in ``pages``) in ``salt``'s tree; returns how many
+        tokens were cached already: the caller's pages for them are duplicates, and stay the
+        caller's to free."""
+        return self.insert_below(self.root_of(salt), 0, tokens, pages)[0]
 
     def insert_below(self, node: Node, start: int, tokens: list[int], pages: list[int]) -> tuple[int, list[int], Node]:
         """``insert`` resumed at ``node``, whose path from the root caches ``tokens[:start]`` (a
@@ -126,7 +164,7 @@ class RadixCache:
             self.total_pages -= len(leaf.pages)
             self.version += 1
             freed += len(leaf.pages)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
@@ -164,9 +202,9 @@ class RadixCache:
         return upper
 
     def _nodes(self):
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            if node is not self.root:
+            if node.parent is not None:
                 yield node

@@ -68,6 +68,8 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         """The next batch as (request, new tokens), prefill chunks first, then decodes."""
+        if self.cache is not None:
+            self.cache.sweep()  # (here no match is held: none is made stale)
         # the delayer also needs the prefill batch a drained decode batch would admit
         limit = self.max_running if self.delayer is not None else self.max_running - len(self.running)
         # a preempted request whose last token is still in flight resumes once it has arrived
@@ -210,17 +212,18 @@ class Scheduler:
         if self.cache is None or not plan.admitted:
             return plan
         ps = self.page_size
-        computing = []  # (token ids, tokens with KV after this step) of each request computing prompt pages
+        # (cache salt, token ids, tokens with KV after this step) of each request computing prompt pages
+        computing = []
         for rid, n in plan.running:
             if (r := by_rid[rid]).prefilling:
-                computing.append((r.token_ids, r.num_computed + n))
-        # {start: {the page at start: the token lists computing it}}, built per start the admitted
-        # requests ask about (most share one), so the pass is linear in the batch, not quadratic
+                computing.append((r.params.cache_salt, r.token_ids, r.num_computed + n))
+        # {start: {(salt, the page at start): the token lists computing it}}, built per start the
+        # admitted requests ask about (most share one), so the pass is linear in the batch, not quadratic
         pages_at: dict[int, dict[tuple, list]] = {}
 
-        def add(index: dict, start: int, tokens: list[int], upto: int) -> None:
+        def add(index: dict, start: int, salt: str | None, tokens: list[int], upto: int) -> None:
             if upto >= start + ps:
-                index.setdefault(tuple(tokens[start : start + ps]), []).append(tokens)
+                index.setdefault((salt, tuple(tokens[start : start + ps])), []).append(tokens)
 
         waiting = {r.rid: r for r in candidates}
         for i, (rid, n) in enumerate(plan.admitted):
@@ -231,26 +234,27 @@ class Scheduler:
             if end < len(tokens) and not req.scores_prompt:  # (one that reads no cache gains nothing)
                 if (index := pages_at.get(start)) is None:
                     index = pages_at[start] = {}
-                    for other, upto in computing:
-                        add(index, start, other, upto)
-                if any(other[:start] == tokens[:start] for other in index.get(tuple(tokens[start:end]), ())):
+                    for salt, other, upto in computing:
+                        add(index, start, salt, other, upto)
+                sharing = index.get((req.params.cache_salt, tuple(tokens[start:end])), ())
+                if any(other[:start] == tokens[:start] for other in sharing):
                     return dataclasses.replace(plan, admitted=plan.admitted[:i])
-            computing.append((tokens, start + n))
+            computing.append((req.params.cache_salt, tokens, start + n))
             for at, index in pages_at.items():
-                add(index, at, tokens, start + n)
+                add(index, at, req.params.cache_salt, tokens, start + n)
         return plan
 
     def _match(self, req: Request):
         if self.cache is None:
             return [], None
         if req.scores_prompt:  # it computes its whole prompt (vLLM's prompt logprobs skip the cache too)
-            return [], self.cache.root
+            return [], self.cache.root_of(req.params.cache_salt)
         key = (self.cache.version, len(req.token_ids))
         if req.prefix_match is not None and req.prefix_match[0] == key:
             return req.prefix_match[1:]  # the tree gained or lost no page since: still the match
         # the last token is always recomputed: its logits give the next output token (a preempted
         # request resumes from all its tokens, prompt and output)
-        pages, node = self.cache.match_prefix(req.token_ids[: len(req.token_ids) - 1])
+        pages, node = self.cache.match_prefix(req.token_ids[: len(req.token_ids) - 1], req.params.cache_salt)
         req.prefix_match = (key, pages, node)
         return pages, node
 
@@ -372,7 +376,8 @@ class Scheduler:
         # at 256 running on the build machine, is skipped in reserve mode, which never preempts)
         if self.waiting or (self.preempt and any(r.prefilling for r in self.running)):
             return False
-        pages, node = self.cache.match_prefix(req.prompt_ids) if self.cache is not None else ([], None)
+        salt = req.params.cache_salt
+        pages, node = self.cache.match_prefix(req.prompt_ids, salt) if self.cache is not None else ([], None)
         if node is not None:
             self.cache.lock(node)
         evictable = self.cache.evictable_pages if self.cache is not None else 0

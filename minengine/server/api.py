@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minengine import __version__
 from minengine import logprobs as logprob_format
 from minengine.engine import check_prompt, generation_room, truncation
 from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -34,6 +35,7 @@ from minengine.tokenizer import Tokenizer, chat_messages
 DRAIN_SECONDS = 5.0
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_SEQUENCES = 2048  # prompts x n: the requests one API call may start
+MAX_CHAT_TEMPLATE = 65536  # characters of a request's own chat template
 
 
 class APIError(Exception):
@@ -122,6 +124,7 @@ class _Sampling(_NullIsDefault):
     # vLLM's: logprobs name tokens "token_id:<id>", not their text (None: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
+    cache_salt: str | None = None  # vLLM's: prefix-cache KV shared only with requests of the same salt
     # vLLM's: per prompt token from the second on, its logprob and the top ones (a stream takes only 0, and sends none)
     prompt_logprobs: int | None = None
     stream: bool = False
@@ -159,6 +162,27 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: the most likely tokens listed per token
+
+
+class TokenizeRequest(_NullIsDefault):
+    """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (with the chat API's template fields)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    return_token_strs: bool = False  # the tokens' strings in the vocabulary too
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template: str | None = None
+
+
+class DetokenizeRequest(_NullIsDefault):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 # --- state ------------------------------------------------------------------------------------
@@ -283,7 +307,6 @@ _UNSUPPORTED = {
     "tools": ([],),
     "tool_choice": ("none",),
     "priority": (0,),  # (vLLM's, with --scheduling-policy priority)
-    "cache_salt": (),  # (vLLM's: a prefix cache of the salt's own)
     "functions": ([],),
     "function_call": ("none",),
 }
@@ -351,6 +374,7 @@ def sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words or None,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            cache_salt=req.cache_salt,
         )
     except ValueError as exc:
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
@@ -373,13 +397,16 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return {int(key): value for key, value in bias.items()}
 
 
-def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, str, str | None]:
-    """The request's conversation rendered by the chat template (``Tokenizer.render_chat``), the
-    answer's role (vLLM's: the server's --response-role when the answer's turn is opened, else the
-    last message's), and the text ``echo`` puts before the answer (None: none)."""
-    messages = [{**(m.model_extra or {}), "role": m.role, "content": m.content} for m in req.messages]
+def chat_prompt(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, str]:
+    """The request's conversation rendered by the chat template (``Tokenizer.render_chat``), and
+    the answer's role (vLLM's: the server's --response-role when the answer's turn is opened, else
+    the last message's)."""
+    messages = [_message(m) for m in req.messages]
     if not state.trust_request_chat_template and req.chat_template is not None:
         why = "chat_template is given, but the server was not started with --trust-request-chat-template"
+        raise APIError(400, why, "chat_template")
+    if req.chat_template is not None and len(req.chat_template) > MAX_CHAT_TEMPLATE:
+        why = f"chat_template has {len(req.chat_template)} characters; allowed: at most {MAX_CHAT_TEMPLATE}"
         raise APIError(400, why, "chat_template")
     try:
         text = state.tokenizer.render_chat(
@@ -389,11 +416,28 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, st
         name = str(exc).split(" ", 1)[0]
         raise APIError(400, str(exc), name if name in _CHAT_FIELDS else "messages") from None
     opened = req.add_generation_prompt if req.add_generation_prompt is not None else not req.continue_final_message
-    role = state.response_role if opened else req.messages[-1].role
-    echo = None
-    if req.echo and req.messages[-1].role == role:  # as vLLM: the last message, its parts joined
-        echo = chat_messages(messages[-1:])[0]["content"] or None
-    return text, role, echo
+    return text, state.response_role if opened else req.messages[-1].role
+
+
+async def render_chat(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, str]:
+    """``chat_prompt``; a request's own template renders in a thread (it may take a while: the
+    event loop goes on serving)."""
+    if req.chat_template is not None:
+        return await asyncio.to_thread(chat_prompt, state, req)
+    return chat_prompt(state, req)
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    return {**(m.model_extra or {}), "role": m.role, "content": m.content}
+
+
+def chat_echo(req: ChatCompletionRequest, role: str) -> str | None:
+    """What vLLM's chat ``echo`` puts before the answer: the last message (its parts joined) when
+    it has the answer's ``role``; None for nothing."""
+    last = req.messages[-1]
+    if not req.echo or last.role != role:
+        return None
+    return chat_messages([_message(last)])[0]["content"] or None
 
 
 # the fields render_chat's messages start with (the others are about the messages)
@@ -513,6 +557,44 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> dict[str, Any]:
+        """vLLM's: the token ids a prompt, or a conversation through the chat template, runs as."""
+        req = await parse_body(raw, TokenizeRequest)
+        _check_open(state, req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give either prompt or messages (one of them)", "prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise APIError(400, "messages is empty", "messages")
+            text, _ = await render_chat(state, req)
+            ids = _encode(state.tokenizer, text, "messages", add_special_tokens=bool(req.add_special_tokens))
+        else:
+            special = req.add_special_tokens is not False
+            ids = _encode(state.tokenizer, req.prompt, "prompt", add_special_tokens=special)
+        strs = [state.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": state.client.ready.context_length,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> dict[str, Any]:
+        """vLLM's: the text of token ids (special tokens included)."""
+        req = await parse_body(raw, DetokenizeRequest)
+        _check_open(state, req.model)
+        vocab = state.client.ready.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens.{bad} is {req.tokens[bad]}; allowed: token ids 0..{vocab - 1}", "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         ready = state.client.ready
@@ -563,7 +645,8 @@ def build_app(state: ServerState) -> FastAPI:
                 raise APIError(400, why, "top_logprobs")
             if not req.messages:
                 raise APIError(400, "messages is empty", "messages")
-            text, role, echo = chat_prompt(state, req)
+            text, role = await render_chat(state, req)
+            echo = chat_echo(req, role)
             prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=req.add_special_tokens)
             if (keep := _keep(state, req.truncate_prompt_tokens)) is not None and len(prompt_ids) > keep:
                 prompt_ids = _encode(
@@ -919,25 +1002,22 @@ async def _stream(
     echoed: set[int] = set()  # the choices whose prompt the stream has echoed
     sent: set[int] = set()  # the choices a chunk has been sent for
     try:
-        if chat:  # the role comes first, once per choice, then what echo puts first (as vLLM)
+        if chat:  # the role comes first, once per choice
             for c in choices:
                 delta = {"role": role, "content": ""}
                 prompt = {"prompt_token_ids": c.prompt_ids} if shape.token_ids else {}
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}], **prompt)
-            for c in choices:
-                if c.echo is not None:
-                    echoed.add(c.index)
-                    delta = {"content": c.echo}
-                    yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
         async for index, piece in _pieces(state, choices):
             completion_tokens += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
             ids, entries, new_ids = pending[index]
             c, text = choices[index], piece.text
-            if c.echo is not None and index not in echoed:  # the prompt goes first, in the first chunk
+            # what echo puts first goes in the first chunk with output (vLLM sends a chat's on its
+            # own, before any token: a disaggregation router would take it for output)
+            if c.echo is not None and index not in echoed:
                 echoed.add(index)
                 text = c.echo + text
-                if c.params.logprobs is not None:
+                if c.params.logprobs is not None and not chat:  # (a completion's prompt's)
                     ids += c.prompt_ids
                     entries += _echo_entries(c, piece.prompt_logprobs)
             ids += piece.token_ids
