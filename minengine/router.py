@@ -158,6 +158,8 @@ class Router:
             body = load_json_object(await raw.body())
         except APIError as exc:
             return error_response(exc.status, exc.message)
+        if (request_id := raw.headers.get("x-request-id")) is not None:  # (as the servers read it)
+            body["request_id"] = request_id
         key = routing_key(body)
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
@@ -364,7 +366,10 @@ class Router:
 
     async def any_decode(self, path: str, body: bytes | None = None) -> Response:
         """``path`` (a GET; with a ``body``, a POST) answered by the first decode server that
-        answers without a 5xx (those not marked down first): all serve one model and tokenizer."""
+        answers without a 5xx (those not marked down first): all serve one model and tokenizer.
+        A POST goes to the next server only when one refused it or answered a 5xx: one that took
+        it (and may still be working on it: a request's own chat template) answers it, however
+        long that takes."""
         now = time.monotonic()
         order = sorted(self.decode.backends, key=lambda b: b.down_until > now)
         errors, answer = [], None
@@ -374,10 +379,12 @@ class Router:
                     resp = await self.client.get(d.url + path, timeout=5)
                 else:
                     headers = {"content-type": "application/json"}
-                    resp = await self.client.post(d.url + path, content=body, headers=headers, timeout=5)
+                    resp = await self.client.post(d.url + path, content=body, headers=headers)
             except httpx.HTTPError as exc:
                 d.unreachable(exc)
                 errors.append(f"the decode server {d.url} failed: {exc!r}")
+                if body is not None and not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    break  # it had the request
                 continue
             answer = Response(resp.content, status_code=resp.status_code, media_type="application/json")
             if resp.status_code < 500:  # a failing server (shutting down: 503) leaves it to the next

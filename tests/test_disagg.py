@@ -254,6 +254,20 @@ def test_a_cache_salt_keeps_its_own_pages_on_both_servers(pair, reference):
 # --- failures: every one ends with a clear error and no KV held on either side ------------------
 
 
+def test_halves_with_different_prompts_fail_with_the_reason(pair):
+    """The two halves of a request must compute one prompt (two servers with different chat
+    templates or tokenizers would not): a prompt of the same length but other tokens would take
+    the wrong KV, so the request fails on both servers, saying why, and nothing is held."""
+    pd = pair()
+    other = [t + 1 for t in PROMPTS[4]]
+    b = pd.submit("x", PROMPTS[4], to=("p",))
+    pd.submit("x", other, to=("d",), room=b.room)
+    pd.run_until(pd.done("d:x", "p:x"))
+    for side in ("d", "p"):
+        assert "the decode server's prompt differs from the prefill server's" in pd.out[f"{side}:x"]["error"]
+    pd.run_until(pd.idle)
+
+
 def test_requests_queued_outside_the_engine_count_as_waiting(pair):
     """The waiting gauge counts what the disaggregation queues hold: decode requests waiting for KV
     space or for their KV (as vLLM counts its requests waiting for remote KV), prefill requests
@@ -461,7 +475,7 @@ def test_a_lost_final_answer_is_asked_for_again(pair, reference, monkeypatch, lo
     # a room the prefill side never heard of is failed at once: nothing of it can be writing
     pd.p.xfer.answers.clear()
     r = pd.d.xfer.receiver("127.0.0.1", pd.port, 4242)
-    r.accepted, r.meta = True, ("meta", 4242, [], 0)
+    r.accepted, r.meta = True, ("meta", 4242, [], 0, "")
     # as ``init`` does: silence counts from now (waiting for idle above may take over a timeout)
     pd.d.xfer.conns[r.addr].last_heard = time.monotonic()
     pd.d.xfer._send(r.addr, ("status", 4242))
@@ -496,7 +510,7 @@ def test_metadata_outside_the_decode_pool_fails_the_request(pair, monkeypatch):
     pd = pair(decode_radix=False)
     send = transfer.KVReceiver.send_metadata
     monkeypatch.setattr(
-        transfer.KVReceiver, "send_metadata", lambda self, pages, n: send(self, [p + 10**5 for p in pages], n)
+        transfer.KVReceiver, "send_metadata", lambda self, pages, *rest: send(self, [p + 10**5 for p in pages], *rest)
     )
     pd.submit("r", PROMPTS[2])
     pd.run_until(pd.done("d:r", "p:r"))

@@ -103,8 +103,7 @@ def test_random_operations_keep_accounting():
             alloc.free(pages[:already])
         elif op < 0.65:
             _, node = cache.match_prefix(tokens, salt)
-            cache.lock(node)
-            locked.append(node)
+            locked.append(cache.lock(node))
         elif op < 0.8 and locked:
             cache.unlock(locked.pop(rng.randrange(len(locked))))
         elif op < 0.9:
@@ -124,26 +123,35 @@ def test_random_operations_keep_accounting():
 
 
 def test_a_cache_salt_has_a_tree_of_its_own():
-    """vLLM's cache_salt: requests share KV only with requests of the same salt; a salt's root
-    is forgotten by a sweep once no page is under it and no request holds it, and the version
-    moves on then, so that no match made before is used."""
+    """vLLM's cache_salt: requests share KV only with requests of the same salt. A salt's root is
+    kept from its first lock (a match alone keeps nothing); a sweep forgets it once no page is
+    under it and no request holds it, and a match that still ends at it locks the salt's root."""
     cache, alloc = make_cache()
     a, b = alloc.alloc(2), alloc.alloc(2)
     assert cache.insert([1, 1, 2, 2], a, "tenant a") == 0
     assert cache.match_prefix([1, 1, 2, 2, 3])[0] == [] and cache.match_prefix([1, 1, 2, 2], "b")[0] == []
     assert cache.match_prefix([1, 1, 2, 2, 3], "tenant a")[0] == a
     assert cache.insert([1, 1, 2, 2], b) == 0 and cache.match_prefix([1, 1, 2, 2, 3])[0] == b
-    assert cache.total_pages == 4 and set(cache.roots) == {None, "tenant a", "b"}
-    cache._sweep_at = 1
+    assert cache.total_pages == 4 and set(cache.roots) == {None, "tenant a"}  # "b": only matched
+    _, waiting = cache.match_prefix([7, 7], "w")  # a request that waits: nothing kept
+    _, first = cache.match_prefix([7, 7], "w")
+    assert first is not waiting and cache.lock(first) is first and cache.lock(waiting) is first
+    cache.unlock(first)
+    cache.unlock(first)
     _, held = cache.match_prefix([7, 7], "held")
-    cache.lock(held)
+    held = cache.lock(held)
+    _, stale = cache.match_prefix([7, 7], "w")
     v = cache.version
-    cache.sweep()  # "b" (bare) goes; "tenant a" has pages, "held" is held
-    assert set(cache.roots) == {None, "tenant a", "held"} and cache.version > v
+    cache._sweep_at = 1
+    cache.sweep()  # "w" (bare) goes; "tenant a" has pages, "held" is held
+    assert set(cache.roots) == {None, "tenant a", "held"} and cache.version == v
+    kept = cache.lock(stale)  # a match made before the sweep: the salt's root is kept again
+    assert cache.roots["w"] is kept
+    cache.unlock(kept)
     cache.unlock(held)
     assert cache.evict(4) == 4 and alloc.num_free == 64
     cache.sweep()  # not yet: the walk waits for twice as many roots (64 at least)
-    assert len(cache.roots) == 3
+    assert len(cache.roots) == 4
     cache._sweep_at = 3
     cache.sweep()
     assert set(cache.roots) == {None} and cache.total_pages == cache.protected_pages == 0

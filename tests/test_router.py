@@ -108,7 +108,8 @@ def test_multi_turn_chat_through_the_router_equals_one_server(cluster):
     extra = {"ignore_eos": True, "continue_final_message": True, "echo": True}
     partial = [*messages, {"role": "assistant", "content": "The"}]
     kwargs = dict(model=model, messages=partial, temperature=0, max_tokens=8, extra_body=extra)
-    got = via.chat.completions.create(**kwargs)
+    got = via.chat.completions.create(**kwargs, extra_headers={"X-Request-Id": "through-the-router"})
+    assert got.id == "chatcmpl-through-the-router"
     assert got.choices[0].message.content.startswith("The") and got.usage.completion_tokens == 8
     assert got.choices[0].message.content == ref.chat.completions.create(**kwargs).choices[0].message.content
     streamed = via.chat.completions.create(**kwargs, stream=True)
@@ -662,3 +663,33 @@ def test_models_comes_from_any_decode_server_that_answers():
     r = asyncio.run(all_down())
     message = r.json()["error"]["message"]
     assert r.status_code == 502 and "http://d1" in message and "http://d2" in message
+
+
+def test_a_tokenize_post_goes_on_only_past_a_server_that_never_had_it():
+    """/tokenize through the router: a refused connection goes to the next decode server; a server
+    that took the request and then failed to answer in time does not (it may still be working
+    on it), and the client gets a 502 naming it."""
+    import asyncio
+
+    seen = []
+
+    async def refusing(request):
+        seen.append(request.url.host)
+        if request.url.host == "d1":
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json={"tokens": [1], "from": request.url.host})
+
+    async def slow(request):
+        seen.append(request.url.host)
+        raise httpx.ReadTimeout("no answer")
+
+    async def one(handler):
+        _, http = _two_pair_router(handler)
+        async with http:
+            return await http.post("/tokenize", json={"prompt": "x"}, timeout=10)
+
+    r = asyncio.run(one(refusing))
+    assert r.status_code == 200 and r.json()["from"] == "d2" and seen == ["d1", "d2"]
+    seen.clear()
+    r = asyncio.run(one(slow))
+    assert r.status_code == 502 and "ReadTimeout" in r.json()["error"]["message"] and seen == ["d1"]

@@ -985,10 +985,49 @@ def test_a_lone_surrogate_quoted_in_an_error_is_a_json_400(server, raw):
     assert "\\ud800" in r.json()["error"]["message"]
 
 
-def test_continuous_usage_stats_is_refused_not_ignored(server):
-    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"continuous_usage_stats": True}}
-    r = httpx.post(server + "/v1/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+def test_request_ids_and_head_health_as_vllm(server):
+    """vLLM's request_id field and X-Request-Id header (which wins) name the answer; HEAD /health
+    answers as GET does."""
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert httpx.post(server + "/v1/completions", json=body | {"request_id": "r-1"}).json()["id"] == "cmpl-r-1"
+    headed = httpx.post(server + "/v1/completions", json=body | {"request_id": "r-1"}, headers={"X-Request-Id": "h-2"})
+    assert headed.json()["id"] == "cmpl-h-2"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "request_id": "c-3", "stream": True}
+    with httpx.stream("POST", server + "/v1/chat/completions", json=chat) as r:
+        ids = {json.loads(x[6:])["id"] for x in r.iter_lines() if x.startswith("data: {")}
+    assert ids == {"chatcmpl-c-3"}
+    assert len(httpx.post(server + "/v1/completions", json=body).json()["id"]) == len("cmpl-") + 32
+    head = httpx.head(server + "/health")
+    assert head.status_code == 200 and head.content == b""
+
+
+def test_continuous_usage_stats_as_vllm(server):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk has its
+    choice's usage so far (a chat's role chunk: none out yet); the last, the whole request's."""
+
+    def events(path, body):
+        with httpx.stream("POST", server + path, json=body | {"stream": True}) as r:
+            return [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        body |= {"max_tokens": 4, "ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}
+        got = events(path, body)
+        *chunks, last = got
+        so_far = {}
+        for c in chunks:
+            index, used = c["choices"][0]["index"], c["usage"]
+            assert used["total_tokens"] == used["prompt_tokens"] + used["completion_tokens"] > 0
+            assert used["completion_tokens"] >= so_far.get(index, 0)
+            so_far[index] = used["completion_tokens"]
+        assert so_far == {i: 4 for i in range(body.get("n", 1))}
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4 * body.get("n", 1)
+        if "messages" in body:
+            assert chunks[0]["usage"]["completion_tokens"] == 0 and "role" in chunks[0]["choices"][0]["delta"]
+        off = body | {"stream_options": {"include_usage": False, "continuous_usage_stats": True}}
+        assert all("usage" not in c for c in events(path, off))
 
 
 def test_chat_template_kwargs_reach_the_template_and_bad_template_fields_are_400s(server):
@@ -1205,6 +1244,9 @@ def test_tokenize_detokenize_and_version(server):
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == param and message in error["message"], (body, r.text)
     assert post("/tokenize", prompt="hi", model="other").status_code == 404
+    for best_of in (None, 1):  # (a field of the sampling APIs, checked against n, which /tokenize lacks)
+        assert post("/tokenize", prompt="hi", best_of=best_of).json()["tokens"] == ids
+        assert post("/detokenize", tokens=ids, best_of=best_of).status_code == 200
     assert httpx.get(server + "/version").json() == {"version": minengine.__version__}
 
 
@@ -1475,8 +1517,9 @@ def test_a_request_aborted_before_its_prompt_logprobs_came_still_answers():
         state = api.ServerState(SimpleNamespace(), tiny_tokenizer(), MODEL, Metrics())
         params = SamplingParams(logprobs=1, prompt_logprobs=1)
         choices = [api.Choice(0, [5, 6, 7], params, echo="ab" if echo else None)]
-        req = SimpleNamespace(stream=False, n=1, return_tokens_as_token_ids=None, return_token_ids=False)
-        raw = SimpleNamespace(is_disconnected=connected)
+        fields = dict(return_tokens_as_token_ids=None, return_token_ids=False, request_id=None)
+        req = SimpleNamespace(stream=False, n=1, **fields)
+        raw = SimpleNamespace(is_disconnected=connected, headers={})
         return json.loads((await api._respond(state, raw, req, choices, chat)).body)
 
     orig, api._pieces = api._pieces, fake_pieces

@@ -57,7 +57,7 @@ class PrefillDriver:
     def add(self, msg: AddRequest) -> list[TokenUpdate]:
         room = msg.bootstrap.room
         try:
-            sender = self.xfer.sender(room, len(msg.prompt_ids))
+            sender = self.xfer.sender(room, msg.prompt_ids)
         except ValueError as exc:
             return [_failed(msg.rid, str(exc))]
         try:
@@ -263,7 +263,9 @@ class DecodeDriver:
             elif event is None or event.query():
                 self.allocated.remove(entry)
                 prompt_pages = sched.pages_for(len(req.prompt_ids))
-                receiver.send_metadata(req.pages[req.cached_pages : prompt_pages], req.cached_pages * ps)
+                receiver.send_metadata(
+                    req.pages[req.cached_pages : prompt_pages], req.cached_pages * ps, req.prompt_ids
+                )
                 self.transfer[rid] = (req, receiver)
 
         for rid, (req, receiver) in list(self.transfer.items()):

@@ -11,7 +11,7 @@ a schema on arrival (a malformed one is dropped, never executed or trusted):
 
     decode -> prefill   ("hello", agent, metadata, layout, backend)   on connecting, and on "who"
                         ("claim", room)   the decode half exists: wait for its metadata
-                        ("meta", room, dst_pages, decode_prefix_len)
+                        ("meta", room, dst_pages, decode_prefix_len, prompt_digest)
                         ("abort", room), ("ping",)
                         ("status", room)  no word on an accepted room for a timeout: is it alive?
     prefill -> decode   ("accepted", room)  (also the answer to "status" while it runs)
@@ -40,6 +40,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import hashlib
 import json
 import logging
 import os
@@ -153,10 +154,16 @@ def page_runs(local: list[int], remote: list[int]) -> tuple[np.ndarray, np.ndarr
 
 # --- control messages ----------------------------------------------------------------------------
 
+
+def prompt_digest(prompt_ids: list[int]) -> str:
+    """A prompt's 64-bit BLAKE2b digest: both halves of a request must compute the same prompt."""
+    return hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+
+
 _SCHEMA: dict[str, tuple] = {
     "hello": (str, bytes, KVLayout, str),  # agent name, NIXL agent metadata, pool layout, backend
     "claim": (int,),
-    "meta": (int, list, int),  # room, decode page ids, decode_prefix_len
+    "meta": (int, list, int, str),  # room, decode page ids, decode_prefix_len, prompt_digest
     "abort": (int,),
     "ping": (),
     "status": (int,),
@@ -321,6 +328,7 @@ class KVSender:
         self.peer: bytes | None = None  # the decode server's identity once its metadata arrived
         self.dst_pages: list[int] = []
         self.decode_prefix_len = 0
+        self.prompt_digest = ""  # the prompt's (``prompt_digest``): the decode side's must be the same
         self.sent = 0  # pages sent so far (after the decode side's prefix)
         self.writes: list = []  # NIXL handles in flight (or stuck and not cancellable yet)
         self.num_writes = 0
@@ -331,8 +339,9 @@ class KVSender:
         self.last_progress = self.created
 
     # SGLang's names: init, send, poll, abort
-    def init(self, num_prompt_tokens: int) -> None:
-        self.num_prompt_pages = -(-num_prompt_tokens // self.mgr.layout.page_size)
+    def init(self, prompt_ids: list[int]) -> None:
+        self.num_prompt_pages = -(-len(prompt_ids) // self.mgr.layout.page_size)
+        self.num_prompt_tokens, self.prompt_digest = len(prompt_ids), prompt_digest(prompt_ids)
 
     @property
     def start_page(self) -> int:
@@ -461,21 +470,21 @@ class PrefillTransfer:
         self.mover = make_mover(backend, kv, "prefill")
         self.peers: dict[bytes, _Peer] = {}
         self.senders: dict[int, KVSender] = {}
-        self.early: dict[int, tuple[bytes, list[int], int, float]] = {}  # metadata before the request
+        self.early: dict[int, tuple[bytes, list[int], int, str, float]] = {}  # metadata before the request
         # room -> (the decode server waiting to send its metadata, when it said so)
         self.claims: dict[int, tuple[bytes, float]] = {}
         self.dead_rooms: dict[int, tuple[str, float]] = {}  # failed or aborted before the metadata came
         self.answers: dict[int, tuple[bytes, tuple, float]] = {}  # room -> its final message, repeated on "status"
 
-    def sender(self, room: int, num_prompt_tokens: int) -> KVSender:
+    def sender(self, room: int, prompt_ids: list[int]) -> KVSender:
         if room in self.senders:
             raise ValueError(f"bootstrap_room {room} is already in use on this prefill server")
         s = self.senders[room] = KVSender(self, room)
-        s.init(num_prompt_tokens)
+        s.init(prompt_ids)
         if room in self.dead_rooms:
             s.fail(self.dead_rooms.pop(room)[0])
         elif room in self.early:
-            self._attach(s, *self.early.pop(room)[:3])
+            self._attach(s, *self.early.pop(room)[:4])
         return s
 
     def reject(self, room: int, why: str) -> None:
@@ -565,7 +574,7 @@ class PrefillTransfer:
         elif kind == "status":
             self._status(peer, msg[1])
         elif kind == "meta":
-            _, room, dst_pages, decode_prefix_len = msg
+            _, room, dst_pages, decode_prefix_len, digest = msg
             bad = [p for p in dst_pages if not (isinstance(p, int) and 0 <= p < self.peers[peer].layout.num_pages)]
             if bad:
                 self.send(peer, ("failed", room, f"page ids {bad[:4]} are outside the decode pool"))
@@ -574,9 +583,9 @@ class PrefillTransfer:
             elif room in self.dead_rooms:
                 self.send(peer, ("failed", room, self.dead_rooms.pop(room)[0]))
             elif room in self.senders:
-                self._attach(self.senders[room], peer, dst_pages, decode_prefix_len)
+                self._attach(self.senders[room], peer, dst_pages, decode_prefix_len, digest)
             else:
-                self.early[room] = (peer, dst_pages, decode_prefix_len, now)
+                self.early[room] = (peer, dst_pages, decode_prefix_len, digest, now)
         elif kind == "abort":
             room = msg[1]
             self.claims.pop(room, None)
@@ -602,7 +611,7 @@ class PrefillTransfer:
             why = self.dead_rooms.pop(room)[0] if room in self.dead_rooms else f"no request room {room} here"
             self.send(peer, ("failed", room, why))
 
-    def _attach(self, s: KVSender, peer: bytes, dst_pages: list[int], decode_prefix_len: int) -> None:
+    def _attach(self, s: KVSender, peer: bytes, dst_pages: list[int], decode_prefix_len: int, digest: str) -> None:
         if s.peer is not None:
             if s.peer == peer and s.dst_pages == list(dst_pages):
                 return  # the same metadata again (re-sent after a "who"): nothing new
@@ -613,6 +622,12 @@ class PrefillTransfer:
             if s.state is KVPoll.Failed:  # already final: tell the peer now
                 self.send(peer, ("failed", s.room, s.error))
             return  # otherwise _progress tells the peer once the failure is final
+        if digest != s.prompt_digest:  # (a different tokenizer or --chat-template: other KV)
+            s.fail(
+                f"the decode server's prompt differs from the prefill server's ({s.num_prompt_tokens} tokens here): "
+                "start both with the same model, tokenizer and --chat-template"
+            )
+            return
         if s.start_page + len(s.dst_pages) != s.num_prompt_pages:
             s.fail(
                 f"the decode server asked for {len(s.dst_pages)} pages after a {decode_prefix_len}-token prefix, "
@@ -662,11 +677,12 @@ class KVReceiver:
             self.mgr.conns[self.addr].last_heard = time.monotonic()  # silence counts from now, not from idle time
         self.mgr._send(self.addr, ("claim", self.room))
 
-    def send_metadata(self, page_indices: list[int], decode_prefix_len: int) -> None:
-        """Ask for the prompt pages after ``decode_prefix_len`` tokens, into ``page_indices``."""
+    def send_metadata(self, page_indices: list[int], decode_prefix_len: int, prompt_ids: list[int]) -> None:
+        """Ask for the prompt pages after ``decode_prefix_len`` tokens, into ``page_indices``; the
+        prefill server checks that ``prompt_ids`` are the ones it computes."""
         self.meta_sent_at = time.monotonic()
         self.state = KVPoll.WaitingForInput
-        self.meta = ("meta", self.room, list(page_indices), decode_prefix_len)
+        self.meta = ("meta", self.room, list(page_indices), decode_prefix_len, prompt_digest(prompt_ids))
         self.mgr._send(self.addr, self.meta)
 
     def poll(self) -> KVPoll:

@@ -9,8 +9,9 @@ Page ownership: pages in the tree belong to the cache. ``insert`` reports how ma
 tokens were already cached, so the caller can free its duplicate pages.
 
 A cache salt (vLLM's ``cache_salt``) gives its requests a tree of their own, under a root of its
-own: they share KV only with requests of the same salt. ``sweep`` forgets the roots no page is
-under and no request holds (the scheduler calls it where it holds no match).
+own: they share KV only with requests of the same salt. A salt's root is made by a match and kept
+from its first ``lock`` (a request waiting with a salt costs nothing); ``sweep`` forgets the roots
+no page is under and no request holds.
 """
 
 from __future__ import annotations
@@ -64,22 +65,19 @@ class RadixCache:
         return self.total_pages - self.protected_pages
 
     def root_of(self, salt: str | None) -> Node:
-        """The root of ``salt``'s tree (made when it has none: a salt's first request)."""
+        """The root of ``salt``'s tree; for a salt without one, a new root that ``lock`` keeps."""
         root = self.roots.get(salt)
-        if root is None:
-            root = self.roots[salt] = _Root(salt)
-        return root
+        return _Root(salt) if root is None else root
 
     def sweep(self) -> None:
         """Forget the salts' roots with no page under them that no request holds, once there are
-        many roots (the walk is over all of them: amortized, a few per new salt). A match made
-        before may end at such a root: the version moves on, so that it is made again."""
+        many roots (the walk is over all of them: amortized, a few per salt a request held). A
+        match may still end at such a root: ``lock`` takes the salt's root then."""
         if len(self.roots) < self._sweep_at:
             return
         bare = [s for s, r in self.roots.items() if r is not self.root and not r.children and r.lock_ref == 1]
         for salt in bare:
             del self.roots[salt]
-        self.version += bool(bare)
         self._sweep_at = max(64, 2 * len(self.roots))
 
     def match_prefix(self, tokens: list[int], salt: str | None = None) -> tuple[list[int], Node]:
@@ -104,7 +102,11 @@ class RadixCache:
         """Cache the full pages of ``tokens`` (KV in ``pages``) in ``salt``'s tree; returns how many
         tokens were cached already: the caller's pages for them are duplicates, and stay the
         caller's to free."""
-        return self.insert_below(self.root_of(salt), 0, tokens, pages)[0]
+        root = self.lock(self.root_of(salt))  # (kept, if new)
+        try:
+            return self.insert_below(root, 0, tokens, pages)[0]
+        finally:
+            self.unlock(root)
 
     def insert_below(self, node: Node, start: int, tokens: list[int], pages: list[int]) -> tuple[int, list[int], Node]:
         """``insert`` resumed at ``node``, whose path from the root caches ``tokens[:start]`` (a
@@ -137,12 +139,19 @@ class RadixCache:
             node = child
         return i, path, node
 
-    def lock(self, node: Node) -> None:
+    def lock(self, node: Node) -> Node:
+        """Protect ``node`` and its path to the root; returns the node to hold: ``node``, or for a
+        salt's root no longer (or not yet) kept, the salt's root (kept from now on). Such a root
+        has no page under it, so a match that ended at it is a match at the salt's root."""
+        if isinstance(node, _Root) and self.roots.get(node.salt) is not node:
+            node = self.roots.setdefault(node.salt, node)
+        held = node
         while node is not None:
             if node.lock_ref == 0:
                 self.protected_pages += len(node.pages)
             node.lock_ref += 1
             node = node.parent
+        return held
 
     def unlock(self, node: Node) -> None:
         while node is not None:

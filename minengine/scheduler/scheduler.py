@@ -69,7 +69,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         """The next batch as (request, new tokens), prefill chunks first, then decodes."""
         if self.cache is not None:
-            self.cache.sweep()  # (here no match is held: none is made stale)
+            self.cache.sweep()
         # the delayer also needs the prefill batch a drained decode batch would admit
         limit = self.max_running if self.delayer is not None else self.max_running - len(self.running)
         # a preempted request whose last token is still in flight resumes once it has arrived
@@ -268,7 +268,7 @@ class Scheduler:
 
     def _admit(self, req: Request, pages: list[int], node) -> None:
         if node is not None:
-            self.cache.lock(node)
+            node = self.cache.lock(node)  # (a new salt's root: the one kept)
         req.node, req.pages, req.cached_pages = node, list(pages), len(pages)
         req.num_computed = len(pages) * self.page_size
         req.prefill_len = len(req.token_ids)
@@ -379,7 +379,7 @@ class Scheduler:
         salt = req.params.cache_salt
         pages, node = self.cache.match_prefix(req.prompt_ids, salt) if self.cache is not None else ([], None)
         if node is not None:
-            self.cache.lock(node)
+            node = self.cache.lock(node)  # (a new salt's root: the one kept)
         evictable = self.cache.evictable_pages if self.cache is not None else 0
         upto = min(req.max_len, len(req.prompt_ids) + reserved_tokens)  # what it takes now
         pending = upto - len(pages) * self.page_size

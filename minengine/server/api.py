@@ -94,7 +94,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     # as vLLM: stream_options {} sends usage, {"include_usage": null} does not
     include_usage: bool | None = True
-    continuous_usage_stats: bool | None = False  # vLLM's; only false is accepted (checked in sampling_params)
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk has a choice's usage so far
 
 
 class _Sampling(_NullIsDefault):
@@ -125,6 +125,7 @@ class _Sampling(_NullIsDefault):
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     cache_salt: str | None = None  # vLLM's: prefix-cache KV shared only with requests of the same salt
+    request_id: str | None = None  # vLLM's: the answer's id ends in it (an X-Request-Id header wins)
     # vLLM's: per prompt token from the second on, its logprob and the top ones (a stream takes only 0, and sends none)
     prompt_logprobs: int | None = None
     stream: bool = False
@@ -314,7 +315,8 @@ _UNSUPPORTED = {
 
 def _check_unsupported(req: _Sampling) -> None:
     for name, value in (req.model_extra or {}).items():
-        off = (1, req.n) if name == "best_of" else _UNSUPPORTED.get(name)  # the best n of n: no selection
+        # the best n of n: no selection (a request without n, such as /tokenize's: of 1)
+        off = (1, getattr(req, "n", 1)) if name == "best_of" else _UNSUPPORTED.get(name)
         if off is None or value is None or any(value == v and type(value) is type(v) for v in off):
             continue
         allowed = " or ".join(json.dumps(v) for v in off) or "null"
@@ -347,9 +349,6 @@ def sampling_params(
         asked = None
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
-    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-        why = "stream_options.continuous_usage_stats is true; minengine does not support it (allowed: false)"
-        raise APIError(400, why, "stream_options")
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
@@ -402,12 +401,7 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest | TokenizeRequest
     the answer's role (vLLM's: the server's --response-role when the answer's turn is opened, else
     the last message's)."""
     messages = [_message(m) for m in req.messages]
-    if not state.trust_request_chat_template and req.chat_template is not None:
-        why = "chat_template is given, but the server was not started with --trust-request-chat-template"
-        raise APIError(400, why, "chat_template")
-    if req.chat_template is not None and len(req.chat_template) > MAX_CHAT_TEMPLATE:
-        why = f"chat_template has {len(req.chat_template)} characters; allowed: at most {MAX_CHAT_TEMPLATE}"
-        raise APIError(400, why, "chat_template")
+    _check_template(state, req.chat_template)
     try:
         text = state.tokenizer.render_chat(
             messages, req.chat_template_kwargs, req.add_generation_prompt, req.continue_final_message, req.chat_template
@@ -420,11 +414,25 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest | TokenizeRequest
 
 
 async def render_chat(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, str]:
-    """``chat_prompt``; a request's own template renders in a thread (it may take a while: the
-    event loop goes on serving)."""
+    """``chat_prompt``; a request's own template renders in the default thread pool (it may take
+    a while: the event loop goes on serving)."""
     if req.chat_template is not None:
+        _check_template(state, req.chat_template)  # (a refusal needs no thread)
         return await asyncio.to_thread(chat_prompt, state, req)
     return chat_prompt(state, req)
+
+
+def _check_template(state: ServerState, template: str | None) -> None:
+    """A 400 for a request's own chat template the server does not take: without
+    --trust-request-chat-template, or longer than ``MAX_CHAT_TEMPLATE``."""
+    if template is None:
+        return
+    if not state.trust_request_chat_template:
+        why = "chat_template is given, but the server was not started with --trust-request-chat-template"
+        raise APIError(400, why, "chat_template")
+    if len(template) > MAX_CHAT_TEMPLATE:
+        why = f"chat_template has {len(template)} characters; allowed: at most {MAX_CHAT_TEMPLATE}"
+        raise APIError(400, why, "chat_template")
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -547,7 +555,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
         return error_response(500, f"the request failed: {exc}")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health() -> Response:
         if state.healthy:
             return Response(status_code=200)
@@ -846,7 +854,8 @@ async def _respond(
     state: ServerState, raw: Request, req: _Sampling, choices: list[Choice], chat: bool, role: str = "assistant"
 ) -> Response:
     """The answer to a request of ``choices``, streamed or whole; ``role``: a chat answer's."""
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    base = raw.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex  # (as vLLM)
+    rid = ("chatcmpl-" if chat else "cmpl-") + base
     created = int(time.time())
     model = state.served_model_name
     # usage counts each prompt once, though its n choices are n requests: its prompt tokens, and
@@ -857,7 +866,8 @@ async def _respond(
     as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        shape = _Shape(role if chat else None, as_ids, req.return_token_ids)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
+        shape = _Shape(role if chat else None, as_ids, req.return_token_ids, continuous)
         stream = _stream(state, choices, rid, created, model, shape, include_usage, prompt_tokens, first_choices)
         return StreamingResponse(stream, media_type="text/event-stream")
 
@@ -926,11 +936,13 @@ async def _respond(
 @dataclass(frozen=True)
 class _Shape:
     """What a streamed answer looks like: a chat answer's ``role`` (None: a completion's), logprobs
-    naming tokens by id (``as_ids``), and token ids alongside the text (``token_ids``)."""
+    naming tokens by id (``as_ids``), token ids alongside the text (``token_ids``), and each
+    chunk's choice's usage so far (``continuous``: vLLM's ``continuous_usage_stats``)."""
 
     role: str | None
     as_ids: bool = False
     token_ids: bool = False
+    continuous: bool = False
 
 
 def _prompt_logprobs(tokenizer: Tokenizer, choice: Choice, prompt_entries: list | None) -> list | None:
@@ -987,8 +999,12 @@ async def _stream(
     chunk, at the top)."""
     role, chat = shape.role, shape.role is not None
     kind: Literal["chat.completion.chunk", "text_completion"] = "chat.completion.chunk" if chat else "text_completion"
+    done = [0] * len(choices)  # each choice's output tokens so far
 
     def chunk(choice_list: list[dict[str, Any]], **extra: Any) -> str:
+        if shape.continuous and choice_list:  # the choice's usage so far (vLLM's: no cache details)
+            prompt, out = len(choices[choice_list[0]["index"]].prompt_ids), done[choice_list[0]["index"]]
+            extra["usage"] = {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
         body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choice_list, **extra}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
@@ -1009,6 +1025,7 @@ async def _stream(
                 yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}], **prompt)
         async for index, piece in _pieces(state, choices):
             completion_tokens += piece.num_tokens
+            done[index] += piece.num_tokens
             cached += piece.cached_tokens if index in first_choices else 0
             ids, entries, new_ids = pending[index]
             c, text = choices[index], piece.text
