@@ -1289,6 +1289,18 @@ def test_chat_template_response_role_and_token_id_flags(tmp_path):
         assert _chat_stream(url, base)[0]["delta"]["role"] == "bot"
         own = chat(chat_template="{{ messages[-1].content }}!").json()
         assert own["usage"]["prompt_tokens"] == len(tok.encode("hi!", add_special_tokens=False))
+        # vLLM's documents reach the template (chat_template_kwargs may give its own)
+        cites = "{% for d in documents %}[{{ d.title }}]{% endfor %}{{ messages[-1].content }}"
+        docs = [{"title": "a", "text": "x"}, {"title": "b", "text": "y"}]
+        for extra, text in (
+            ({"documents": docs}, "[a][b]hi"),
+            ({"documents": docs, "chat_template_kwargs": {"documents": docs[:1]}}, "[a]hi"),
+        ):
+            body = {"messages": base["messages"], "chat_template": cites, **extra}
+            tokens = httpx.post(url + "/tokenize", json=body).json()["tokens"]
+            assert tokens == tok.encode(text, add_special_tokens=False), extra
+        r = chat(documents=[{"title": 1}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
         deep = "{% for x in y %}" * 40 + "{% endfor %}" * 40  # nested past what Python compiles
         for extra, param in (
             ({"chat_template": "{% for %}"}, "chat_template"),

@@ -158,6 +158,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None  # vLLM's: for a template that cites documents (RAG)
     echo: bool = False  # vLLM's: the answer starts with the last message, when that has the answer's role
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens too, on top of the template's
     max_completion_tokens: int | None = None
@@ -178,6 +179,7 @@ class TokenizeRequest(_NullIsDefault):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class DetokenizeRequest(_NullIsDefault):
@@ -402,9 +404,12 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest | TokenizeRequest
     the last message's)."""
     messages = [_message(m) for m in req.messages]
     _check_template(state, req.chat_template)
+    variables = req.chat_template_kwargs
+    if req.documents is not None:  # (as vLLM: chat_template_kwargs may give its own)
+        variables = {"documents": req.documents, **(variables or {})}
     try:
         text = state.tokenizer.render_chat(
-            messages, req.chat_template_kwargs, req.add_generation_prompt, req.continue_final_message, req.chat_template
+            messages, variables, req.add_generation_prompt, req.continue_final_message, req.chat_template
         )
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
