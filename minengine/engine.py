@@ -94,9 +94,10 @@ def check_prompt(
     context_length: int,
     kv_capacity: int,
     tokenizer: Tokenizer,
-) -> None:
+) -> tuple[tuple[int, ...], ...]:
     """Raise ValueError if a request is malformed or can never fit; the message names the values.
-    ``tokenizer`` tokenizes its ``bad_words``."""
+    ``tokenizer`` tokenizes its ``bad_words``: returns them tokenized
+    (``SamplingParams.bad_words_token_ids``)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     bad = next(
@@ -110,7 +111,7 @@ def check_prompt(
     bad = next((t for t in params.allowed_token_ids or () if t >= vocab_size), None)
     if bad is not None:
         raise ValueError(f"allowed_token_ids has token id {bad}, outside the vocabulary [0, {vocab_size})")
-    params.bad_words_token_ids(tokenizer, vocab_size)
+    bad_words_ids = params.bad_words_token_ids(tokenizer, vocab_size)
     total = len(prompt_ids) + params.max_tokens
     for limit, what in ((context_length, "the context length"), (kv_capacity, "the KV cache capacity of")):
         if total > limit:
@@ -118,6 +119,7 @@ def check_prompt(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds {what} {limit} tokens"
             )
+    return bad_words_ids
 
 
 class Engine:
@@ -230,8 +232,9 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request is malformed or can never fit."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """Raise ValueError if the request is malformed or can never fit; returns its bad words
+        tokenized (``check_prompt``)."""
         prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.context_length)
         if self.config.disaggregation_mode != "null":
             # the prefill server samples the first token: the decode server never sees its logprobs
@@ -243,7 +246,7 @@ class Engine:
                     )
         params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
         vocab = self.model_config.vocab_size
-        check_prompt(prompt_ids, params, vocab, self.context_length, self.kv_capacity_tokens, self.tokenizer)
+        return check_prompt(prompt_ids, params, vocab, self.context_length, self.kv_capacity_tokens, self.tokenizer)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         req = self.new_request(prompt_ids, params)
@@ -258,7 +261,7 @@ class Engine:
         # (the front ends truncated it already: truncating it again changes nothing)
         prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.context_length)
         params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
-        self.check_request(prompt_ids, params)
+        bad_words_ids = self.check_request(prompt_ids, params)
         return Request(
             rid=next(self._rids),
             prompt_ids=list(prompt_ids),
@@ -266,7 +269,7 @@ class Engine:
             max_len=len(prompt_ids) + params.max_tokens,
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
             detok=IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids) if self.detokenize else None,
-            bad_words_ids=params.bad_words_token_ids(self.tokenizer, self.model_config.vocab_size),
+            bad_words_ids=bad_words_ids,
         )
 
     def abort(self, req: Request) -> None:

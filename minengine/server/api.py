@@ -149,16 +149,23 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
+class _ChatTemplateFields(_NullIsDefault):
+    """vLLM's fields for rendering ``messages`` (``chat_prompt``), shared by the chat API and
+    ``/tokenize``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
     chat_template_kwargs: dict[str, Any] | None = None  # as vLLM: extra variables for the chat template
-    # vLLM's template fields: open the answer's turn (None: unless continue_final_message); end the
-    # prompt inside the last message, for the answer to go on with it; this request's own template
-    # (with --trust-request-chat-template)
+    # open the answer's turn (None: unless continue_final_message); end the prompt inside the last
+    # message, for the answer to go on with it; this request's own template (with
+    # --trust-request-chat-template); documents, for a template that cites them (RAG)
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template: str | None = None
-    documents: list[dict[str, str]] | None = None  # vLLM's: for a template that cites documents (RAG)
+    documents: list[dict[str, str]] | None = None
+
+
+class ChatCompletionRequest(_Sampling, _ChatTemplateFields):
+    messages: list[ChatMessage]
     echo: bool = False  # vLLM's: the answer starts with the last message, when that has the answer's role
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens too, on top of the template's
     max_completion_tokens: int | None = None
@@ -166,20 +173,14 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None  # with logprobs: the most likely tokens listed per token
 
 
-class TokenizeRequest(_NullIsDefault):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (with the chat API's template fields)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
     return_token_strs: bool = False  # the tokens' strings in the vocabulary too
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool | None = None
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    documents: list[dict[str, str]] | None = None
 
 
 class DetokenizeRequest(_NullIsDefault):
@@ -401,9 +402,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 def chat_prompt(state: ServerState, req: ChatCompletionRequest | TokenizeRequest) -> tuple[str, str]:
     """The request's conversation rendered by the chat template (``Tokenizer.render_chat``), and
     the answer's role (vLLM's: the server's --response-role when the answer's turn is opened, else
-    the last message's)."""
+    the last message's). A request's own template: checked by ``render_chat`` first."""
     messages = [_message(m) for m in req.messages]
-    _check_template(state, req.chat_template)
     variables = req.chat_template_kwargs
     if req.documents is not None:  # (as vLLM: chat_template_kwargs may give its own)
         variables = {"documents": req.documents, **(variables or {})}
@@ -422,7 +422,7 @@ async def render_chat(state: ServerState, req: ChatCompletionRequest | TokenizeR
     """``chat_prompt``; a request's own template renders in the default thread pool (it may take
     a while: the event loop goes on serving)."""
     if req.chat_template is not None:
-        _check_template(state, req.chat_template)  # (a refusal needs no thread)
+        _check_template(state, req.chat_template)  # (before the thread: a refusal needs none)
         return await asyncio.to_thread(chat_prompt, state, req)
     return chat_prompt(state, req)
 
