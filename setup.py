@@ -167,7 +167,16 @@ setup(
         "nixl",  # KV transfer between prefill and decode servers (UCX; host or device memory)
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6", "transformers>=4.51", "openai>=1.40", "httpx", "matplotlib"],
+        "test": [
+            "pytest>=8",
+            "ruff>=0.6",
+            "transformers>=4.51",
+            "openai>=1.40",
+            "httpx",
+            "matplotlib",
+            "xgrammar>=0.2.8",
+        ],
+        "structured": ["xgrammar>=0.2.8"],  # structured outputs (response_format, tool_choice "required", ...)
         "bench": ["nvidia-ml-py", "httpx", "matplotlib"],
     },
 )

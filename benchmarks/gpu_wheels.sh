@@ -5,7 +5,7 @@
 # .whl/, which gpu_session.sh installs. Run it on a machine with a package index, then name .whl in
 # the device call's `carry` (64 MiB a call, working tree included).
 #
-#   bash benchmarks/gpu_wheels.sh            # server stack + pyzmq + openai (about 7 MB): tests, engine, serving
+#   bash benchmarks/gpu_wheels.sh            # server stack + pyzmq + openai + xgrammar (about 10 MB): tests, engine, serving
 #   bash benchmarks/gpu_wheels.sh flashinfer # + flashinfer-python and its runtime needs (kernels, serving backends)
 #   bash benchmarks/gpu_wheels.sh disagg     # server stack + pyzmq + nixl (about 60 MB; no openai, no flashinfer)
 #
@@ -21,13 +21,15 @@ SERVER="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pyda
   annotated-types==0.7.0 typing-inspection==0.4.2 opentelemetry-api==1.45.2 pyzmq==27.3.0"
 OPENAI="openai==3.52.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 idna==3.20 distro==1.9.0
   jiter==0.19.0 sniffio==1.3.1"
+# structured outputs (the tests' extra): xgrammar needs tvm-ffi; its other needs are in the image
+STRUCTURED="xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2"
 # flashinfer imports without nvidia-cutlass-dsl (only its cute_dsl modules need it) and without
 # nvidia-cudnn-frontend (its cudnn path is optional): both left out
-FLASHINFER="flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2"
+FLASHINFER="flashinfer-python==0.5.3"  # (and tvm-ffi, in STRUCTURED)
 NIXL="nixl==1.5.1 nixl-cu13==1.5.1"
 case ${1:-base} in
-  base) pkgs="$SERVER $OPENAI" ;;
-  flashinfer) pkgs="$SERVER $OPENAI $FLASHINFER" ;;
+  base) pkgs="$SERVER $OPENAI $STRUCTURED" ;;
+  flashinfer) pkgs="$SERVER $OPENAI $STRUCTURED $FLASHINFER" ;;
   disagg) pkgs="$SERVER $NIXL" ;;
   *) echo "unknown set $1; allowed: base flashinfer disagg" >&2; exit 2 ;;
 esac

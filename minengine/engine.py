@@ -23,6 +23,7 @@ from minengine.sampler import Sampler
 from minengine.sampling_params import SamplingParams
 from minengine.scheduler import Scheduler
 from minengine.scheduler.prefill_delayer import DelayerConfig, PrefillDelayer
+from minengine.structured import Grammars, Matcher
 from minengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ def check_prompt(
     if bad is not None:
         raise ValueError(f"allowed_token_ids has token id {bad}, outside the vocabulary [0, {vocab_size})")
     bad_words_ids = params.bad_words_token_ids(tokenizer, vocab_size)
+    if params.structured_outputs is not None:  # (its grammar parses: compiling it cannot fail later)
+        params.structured_outputs.check()
     total = len(prompt_ids) + params.max_tokens
     for limit, what in ((context_length, "the context length"), (kv_capacity, "the KV cache capacity of")):
         if total > limit:
@@ -179,6 +182,7 @@ class Engine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         )
         self.sampler = Sampler(self.device, config.seed, frozenset(self.eos_token_ids))
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, frozenset(self.eos_token_ids))
         self.runner = ModelRunner(self.model, pool, page_table, kernels, self.sampler, config.max_running_requests)
         if self.use_cuda_graphs:
             max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
@@ -262,6 +266,7 @@ class Engine:
         prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.context_length)
         params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
         bad_words_ids = self.check_request(prompt_ids, params)
+        spec = params.structured_outputs
         return Request(
             rid=next(self._rids),
             prompt_ids=list(prompt_ids),
@@ -270,6 +275,7 @@ class Engine:
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
             detok=IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids) if self.detokenize else None,
             bad_words_ids=bad_words_ids,
+            matcher=Matcher(self.grammars.start(spec)) if spec is not None else None,
         )
 
     def abort(self, req: Request) -> None:
@@ -287,7 +293,11 @@ class Engine:
 
         Overlap on: step N+1 is scheduled and launched before step N's tokens are read, so the
         device never waits for the host; what N finishes is dropped from N+1 when N+1 is read.
-        Overlap off: launch and read in the same pass."""
+        Overlap off: launch and read in the same pass.
+
+        A step that samples a request with structured outputs while a step is in flight runs its
+        forward at once and samples after the step in flight is read: the request's grammar must
+        see that step's token first."""
         with step_range("schedule"):
             batch = self.scheduler.schedule()
         launched = None
@@ -295,13 +305,16 @@ class Engine:
             with step_range("h2d"):
                 fb, samplers, prompt = self.runner.prepare(batch)
             self.scheduler.advance(batch)
-            launched = self.runner.launch(fb, samplers, prompt)
+            wait = self._in_flight is not None and any(req.matcher is not None for req in samplers)
+            launched = self.runner.launch(fb, samplers, prompt, sample=not wait)
             launched.kv = [(req, req.num_computed) for req, _ in batch]
         if not self.overlap:
             self._in_flight, launched = launched, None
         with step_range("process_results"):
             done = self._commit(self._in_flight) if self._in_flight is not None else []
             self.kv_ready = self._in_flight.kv if self._in_flight is not None else []
+        if launched is not None and launched.unsampled is not None:
+            self.runner.sample(launched)
         self._in_flight = launched
         return done
 
@@ -351,6 +364,8 @@ class Engine:
         reason = None
         if stop_token or (incremental and req.detok.stopped):
             reason = "stop"
+        elif req.matcher is not None and req.matcher.terminated(req.output_ids):
+            reason = "stop"  # the grammar is complete and took an end token (also with ignore_eos)
         elif len(req.token_ids) >= req.max_len:
             reason = "length"
         if reason is not None and req.detok is not None:
@@ -363,6 +378,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Drop the model, the KV pool (held by the runner) and the scheduler's state."""
+        self.grammars.shutdown()
         del self.runner, self.model, self.scheduler
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -10,6 +10,7 @@ import torch
 from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory.radix_cache import Node
 from minengine.sampling_params import SamplingParams
+from minengine.structured import Matcher
 
 # one output token's logprobs: (its logprob, its rank in the vocabulary from 1, the top token ids,
 # their logprobs), the top ones most likely first (``SamplingParams.logprobs`` of them)
@@ -58,6 +59,7 @@ class Request:
     # before the first), made and freed as ``output_counts`` is
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     output_tail: torch.Tensor | None = None
+    matcher: Matcher | None = None  # with params.structured_outputs: its grammar's matcher
 
     def __post_init__(self) -> None:
         if not self.token_ids:

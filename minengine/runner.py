@@ -31,7 +31,7 @@ class Launched:
     """A step in flight: the requests that sample, and where their tokens will land on the host."""
 
     samplers: list[Request]
-    tokens: torch.Tensor  # host (pinned on CUDA)
+    tokens: torch.Tensor | None  # host (pinned on CUDA); None until it is sampled
     done: torch.cuda.Event | None
     kv: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens with KV once it is done)
     # the rows (of ``samplers``) that asked for logprobs, and on the host (written by ``done``):
@@ -41,6 +41,10 @@ class Launched:
     # prompt logprobs, laid out as ``logprobs`` (one row per scored prompt token): each span's
     # (request, its first prompt position, rows), and the two host tensors
     prompt_logprobs: tuple[list[tuple[Request, int, int]], torch.Tensor, torch.Tensor] | None = None
+    # launched with its sampling left for later (``ModelRunner.sample``): its forward's (logits,
+    # each row's argmax or None, hidden states for prompt logprobs or None, prompt rows or None),
+    # and the samplers' slots in ``token_buffer`` (read at launch: a request that ends meanwhile frees its slot)
+    unsampled: tuple | None = None
 
 
 @dataclass
@@ -136,14 +140,18 @@ class ModelRunner:
             self.kernels.stage(fb.block_tables, fb.seq_lens, fb.cu_seqlens_q, HostMetadata(seq_lens, cu))
         return fb, samplers, PromptRows(spans, targets_t[0]) if spans else None
 
-    def launch(self, fb: ForwardBatch, samplers: list[Request], prompt: PromptRows | None = None) -> Launched:
-        """Run the forward and sampling; sampled tokens go to ``token_buffer`` on the device and
-        are copied to the host without blocking (with the logprobs asked for)."""
+    def launch(
+        self, fb: ForwardBatch, samplers: list[Request], prompt: PromptRows | None = None, sample: bool = True
+    ) -> Launched:
+        """Run the forward and (``sample``) sampling; sampled tokens go to ``token_buffer`` on the
+        device and are copied to the host without blocking (with the logprobs asked for).
+        ``sample=False``: the forward only, its sampling left to ``sample`` (called before the next
+        launch), for samplers whose grammar must first see the step in flight's tokens."""
         sample_slots = to_device([req.slot for req in samplers], torch.int64, self.device)
         num_tokens = fb.input_ids.shape[0]
         # decode-only, every row samples
         graphable = fb.max_seqlen_q == 1 and len(samplers) == num_tokens and prompt is None
-        greedy = None  # each row's argmax, when the forward computed it (a graph)
+        greedy = hidden = None  # each row's argmax, when the forward computed it (a graph)
         with step_range("forward"):
             if self.graphs is not None and graphable and self.graphs.bucket(num_tokens) is not None:
                 logits, greedy = self.graphs.run(fb)
@@ -152,6 +160,17 @@ class ModelRunner:
             else:  # the samplers' logits; the scored prompt rows' only slice by slice, below
                 hidden = self.model.hidden(fb, self.pool.layers, self.kernels)
                 logits = self.model.logits(hidden[: len(samplers)])
+        step = Launched(samplers, None, None)
+        step.unsampled = (logits, greedy, hidden, prompt, sample_slots)
+        if sample:
+            self.sample(step)
+        return step
+
+    def sample(self, step: Launched) -> None:
+        """Sample a launched step's tokens (and its logprobs), from its forward's logits."""
+        logits, greedy, hidden, prompt, sample_slots = step.unsampled
+        step.unsampled = None
+        samplers = step.samplers
         with step_range("sampling"):
             tokens = self.sampler(logits, samplers, greedy)
         self.token_buffer[sample_slots] = tokens
@@ -168,18 +187,16 @@ class ModelRunner:
                 scored = prompt_logprobs(self.model, hidden[len(samplers) :], prompt.targets, k)
         if self.device.type != "cuda":
             # a graph's output is overwritten by the next step, launched before this one is read
-            step = Launched(samplers, tokens if greedy is None else tokens.clone(), None)
+            step.tokens = tokens if greedy is None else tokens.clone()
             step.logprobs = (asked, values, ids) if asked else None
             step.prompt_logprobs = None if scored is None else (prompt.spans, *scored)
-            return step
+            return
         host = [_to_host(tokens)] + ([_to_host(values), _to_host(ids)] if asked else [])
-        scored_host = None if scored is None else (prompt.spans, _to_host(scored[0]), _to_host(scored[1]))
-        done = torch.cuda.Event()
-        done.record()
-        step = Launched(samplers, host[0], done)
+        step.done = torch.cuda.Event()
+        step.done.record()
+        step.tokens = host[0]
         step.logprobs = (asked, host[1], host[2]) if asked else None
-        step.prompt_logprobs = scored_host
-        return step
+        step.prompt_logprobs = None if scored is None else (prompt.spans, _to_host(scored[0]), _to_host(scored[1]))
 
     @staticmethod
     def resolve(step: Launched) -> tuple[list[int], list[TokenLogprobs | None] | None]:

@@ -5,6 +5,7 @@ without normalising it. A request with a seed draws its noise from its own gener
 tokens do not depend on what else is in the batch.
 
 Before that, the logits of the requests that ask for it are adjusted as vLLM does, in its order:
+structured outputs (only the tokens the request's grammar allows next), ``allowed_token_ids``,
 ``logit_bias``, ``min_tokens`` (its end tokens banned), then the repetition, frequency and
 presence penalties. The penalties read a per-request count of its output tokens kept on the device
 and updated by each step's sampling, so with overlap scheduling the next step (launched before
@@ -23,6 +24,7 @@ import torch
 
 from minengine.memory.kv_pool import to_device
 from minengine.request import Request
+from minengine.structured import allowed_mask, apply_mask
 
 
 class Sampler:
@@ -72,6 +74,11 @@ class Sampler:
         adjusted for sampling; and the device state ``_record`` adds the sampled tokens to (None:
         no request keeps any)."""
         device, vocab = logits.device, logits.shape[-1]
+        if any(req.matcher is not None for req in reqs):  # structured outputs: their grammars' tokens only
+            matchers = [None if req.finished else req.matcher for req in reqs]  # (a finished one's token is dropped)
+            mask = allowed_mask(matchers, [req.output_ids for req in reqs], vocab)
+            if mask is not None:
+                apply_mask(logits, mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask)
         limited = [j for j, req in enumerate(reqs) if req.params.allowed_token_ids is not None]
         if limited:  # every token but the allowed ones to -inf: one pass over those rows
             where = _indices([(j, t) for j in limited for t in reqs[j].params.allowed_token_ids], device)
@@ -251,7 +258,8 @@ def _adjusts(req: Request) -> bool:
     """Its logits are adjusted in this step (it is being sampled: its token is counted)."""
     p = req.params
     return (
-        p.penalizes
+        (req.matcher is not None and not req.matcher.broken)
+        or p.penalizes
         or bool(p.logit_bias)
         or p.allowed_token_ids is not None
         or bool(req.bad_words_ids)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from minengine.structured import StructuredOutputs
+
 # seeds torch.Generator.manual_seed takes
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # most alternatives a token's logprobs may list (vLLM's default max_logprobs)
@@ -69,6 +71,8 @@ class SamplingParams:
     # same salt (None: with those of none), so one tenant cannot tell what another's prompts were
     # from how fast its own come back
     cache_salt: str | None = None
+    # vLLM's: the output follows a JSON schema, a regex, a grammar, ... (``minengine.structured``)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (
@@ -151,6 +155,9 @@ class SamplingParams:
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT):
             raise ValueError(f"cache_salt is {salt!r:.80}; allowed: None or a string of 1..{MAX_CACHE_SALT} characters")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise ValueError(f"structured_outputs is {so!r:.80}; allowed: None or a StructuredOutputs")
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             raise ValueError(f"seed is {self.seed} with n {self.n}; allowed: seed + n - 1 <= {SEED_MAX}")
 
@@ -181,6 +188,7 @@ class SamplingParams:
             or self.min_tokens > 0
             or self.allowed_token_ids is not None
             or bool(self.bad_words)
+            or self.structured_outputs is not None
         )
 
     def first_token_only(self) -> SamplingParams:

@@ -148,3 +148,20 @@ def hf_model(checkpoint):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A server of the tiny model (``test_server.start_server``), one per test module."""
+    from test_server import start_server, stop_server
+
+    proc, url = start_server("--page-size", "4")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)

@@ -64,18 +64,6 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-@pytest.fixture(scope="module")
-def server():
-    proc, url = start_server("--page-size", "4")
-    yield url
-    stop_server(proc)
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0)
-
-
 def metrics(url: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(url + "/metrics").text.splitlines():
@@ -321,7 +309,7 @@ def test_non_json_numbers_routing_errors_and_content_parts(server):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith('messages.0.content.0.type is "image_url"')
     r = chat([{"type": "text"}])
     assert r.status_code == 400 and "messages.0.content.0.text" in r.json()["error"]["message"]
-    for body, name in (({"response_format": {"type": "json_object"}}, "response_format"), ({"tools": [{}]}, "tools")):
+    for body, name in (({"response_format": {"type": "json_schema"}}, "response_format"), ({"tools": [{}]}, "tools")):
         r = chat("x", **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == name
     r = chat("x", max_completion_tokens=10_000)

@@ -16,7 +16,14 @@ import openai
 import pytest
 
 from minengine.models.tiny import tiny_tokenizer
-from minengine.server.tool_calls import PARSERS, ToolCall, ToolCallStream, parse_tool_calls
+from minengine.server.tool_calls import (
+    PARSERS,
+    ToolCall,
+    ToolCallStream,
+    finish_reason,
+    parse_tool_calls,
+    required_calls_schema,
+)
 from minengine.tokenizer import chat_messages
 
 WEATHER = {
@@ -400,8 +407,11 @@ def test_a_prefill_server_checks_the_choice_but_finds_no_calls():
     for mode, flags, want in (("null", True, "hermes"), ("decode", True, "hermes"), ("prefill", False, None)):
         state = SimpleNamespace(mode=mode, enable_auto_tool_choice=flags, tool_call_parser="hermes" if flags else None)
         assert api.tool_parser(state, req) == want
-    with pytest.raises(api.APIError, match="no guided decoding"):
-        api.tool_parser(state, req.model_copy(update={"tool_choice": "required"}))
+    # forced calls: a prefill server samples the first token under the grammar, finds no calls
+    required = req.model_copy(update={"tool_choice": "required"})
+    assert api.tool_parser(state, required) is None and api.forced_tool(required)[0].json
+    with pytest.raises(api.APIError, match="allowed: one of the tools"):
+        api.tool_parser(state, req.model_copy(update={"tool_choice": {"function": {"name": "nope"}}}))
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(chat_api):
@@ -440,9 +450,15 @@ def test_llama3_json_answers(chat_api):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"tool_choice": "required"}, "no guided decoding"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "no guided decoding"),
-        ({"tool_choice": "sometimes"}, 'allowed: "none" or "auto"'),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+            'allowed: one of the tools ("get_weather")',
+        ),
+        ({"tool_choice": {"type": "function", "function": {}}}, '{"type": "function", "function": {"name": ...}}'),
+        ({"tool_choice": {"type": "retrieval", "function": {"name": "get_weather"}}}, '"function": {"name": ...}}'),
+        ({"tool_choice": "required", "tools": []}, "no tools are given"),
+        ({"response_format": {"type": "json_object"}, "tool_choice": "required"}, "both constrain the output"),
+        ({"tool_choice": "sometimes"}, 'allowed: "none", "auto", "required" or a named function'),
         ({"tool_choice": "auto", "tools": None}, "no tools are given"),
         ({"tools": [{"type": "function"}]}, "tools.0.function"),
         ({"tools": [{"function": {"name": "a"}, "type": None}]}, "tools.0.type"),
@@ -552,3 +568,106 @@ def test_llama3_json_needs_no_special_token_kept():
     backend.add_tokens([AddedToken("<|python_tag|>", special=True)])
     assert not api._special_tags(Tokenizer(backend, {}, None), "llama3_json")
     assert parse_tool_calls("llama3_json", '{"name": "a", "parameters": {}}')[1]
+
+
+# --- tool_choice "required" and named: calls forced by structured outputs -------------------------
+
+REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+
+
+@pytest.mark.parametrize(
+    "name, text, content, calls",
+    [
+        ("required", REQUIRED, None, [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+        ("required", "[]", "[]", []),  # (the schema asks for one call at least: no calls, as written)
+        ("required", '[{"name": "a", "parameters": {}}, {"nam', '[{"name": "a", "parameters": {}}, {"nam', []),
+        ("required", '{"name": "a", "parameters": {}}', '{"name": "a", "parameters": {}}', []),
+        ("named", '{"city": "東京"}', None, [("get_weather", {"city": "東京"})]),
+        ("named", '{"city": "Par', '{"city": "Par', []),  # cut short: content
+        ("named", "[1]", "[1]", []),
+    ],
+)
+def test_forced_outputs_parse_whole_and_streamed(name, text, content, calls):
+    assert (lambda c: (c[0], shown(c[1])))(parse_tool_calls(name, text, None, "get_weather")) == (content, calls)
+    rng = random.Random(0)
+    for _ in range(20):  # streamed in random pieces: nothing comes out before the end
+        stream, cuts = ToolCallStream(name, None, "get_weather"), sorted(rng.sample(range(len(text) + 1), 3))
+        parts = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert all(stream.feed(p) == ("", []) for p in parts)
+        got_content, got_calls = stream.feed("", last=True)
+        assert ((got_content or None) if calls else got_content, shown([c for _, c in got_calls])) == (content, calls)
+
+
+def test_forced_finish_reasons_are_vllms():
+    # "required": tool_calls when the output ended itself; named: stop (as the OpenAI API)
+    assert [finish_reason("required", r, True) for r in ("stop", "length", "abort")] == [
+        "tool_calls",
+        "length",
+        "abort",
+    ]
+    assert [finish_reason("named", r, True) for r in ("stop", "length")] == ["stop", "length"]
+    assert [finish_reason("hermes", r, True) for r in ("stop", "length", "abort", None)] == [
+        "tool_calls",
+        "tool_calls",
+        "abort",
+        None,
+    ]
+    assert finish_reason("required", "stop", False) == "stop"
+
+
+def test_the_required_schema_lists_the_tools_and_gathers_their_definitions():
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    fns = [
+        {
+            "name": "a",
+            "parameters": {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": point}},
+        },
+        {"name": "b", "parameters": None},
+    ]
+    schema = required_calls_schema(fns)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["$defs"] == {"P": point}
+    options = schema["items"]["anyOf"]
+    assert [o["properties"]["name"]["enum"] for o in options] == [["a"], ["b"]]
+    assert "$defs" not in options[0]["properties"]["parameters"] and fns[0]["parameters"]["$defs"] == {"P": point}
+    assert options[1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    other = {"name": "c", "parameters": {"$defs": {"P": {"type": "string"}}}}
+    with pytest.raises(ValueError, match="twice"):
+        required_calls_schema([*fns, other])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice_answer_with_calls(chat_api, stream):
+    xgrammar = pytest.importorskip("xgrammar")  # (a test dependency: CI has it)
+    del xgrammar
+
+    async def ask(client, **fields):
+        body = dict(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], stream=stream, **fields)
+        if not stream:
+            return (await client.chat.completions.create(**body)).choices[0]
+        async with client.chat.completions.stream(**{k: v for k, v in body.items() if k != "stream"}) as s:
+            async for _ in s:
+                pass
+            return (await s.get_final_completion()).choices[0]
+
+    client = chat_api([REQUIRED], parser=None)  # (no --tool-call-parser needed)
+    got = asyncio.run(ask(client, tool_choice="required"))
+    assert got.finish_reason == "tool_calls" and not got.message.content  # (a stream: "" from the role chunk)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    spec = client.seen[-1][0].params.structured_outputs
+    assert json.loads(spec.json) == required_calls_schema([WEATHER["function"], CLOCK["function"]])
+    got = asyncio.run(ask(client, tool_choice="required", parallel_tool_calls=False))
+    assert [c.function.name for c in got.message.tool_calls] == ["get_weather"]
+
+    client = chat_api(['{"city": "Paris"}'], parser=None)
+    got = asyncio.run(ask(client, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert got.finish_reason == "stop" and not got.message.content
+    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    assert json.loads(client.seen[-1][0].params.structured_outputs.json) == WEATHER["function"]["parameters"]
+    # a function without parameters: any object
+    got = asyncio.run(ask(client, tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    assert json.loads(client.seen[-1][0].params.structured_outputs.json) == {"type": "object", "properties": {}}

@@ -31,7 +31,14 @@ from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, Sch
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
 from minengine.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
-from minengine.server.tool_calls import PARSERS, ToolCallStream, parse_tool_calls
+from minengine.server.tool_calls import (
+    PARSERS,
+    ToolCallStream,
+    finish_reason,
+    parse_tool_calls,
+    required_calls_schema,
+)
+from minengine.structured import StructuredOutputs
 from minengine.tokenizer import Tokenizer, chat_messages
 
 DRAIN_SECONDS = 5.0
@@ -127,6 +134,10 @@ class _Sampling(_NullIsDefault):
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids in the answer
     cache_salt: str | None = None  # vLLM's: prefix-cache KV shared only with requests of the same salt
+    # the output follows a JSON schema or is a JSON object (the OpenAI API's), or vLLM's
+    # constraints: {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (``structured_for``)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     request_id: str | None = None  # vLLM's: the answer's id ends in it (an X-Request-Id header wins)
     # vLLM's: per prompt token from the second on, its logprob and the top ones (a stream takes only 0, and sends none)
     prompt_logprobs: int | None = None
@@ -189,8 +200,9 @@ class ChatCompletionRequest(_Sampling, _ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: the most likely tokens listed per token
-    # "none", "auto" (the default with tools: calls found in the output by --tool-call-parser);
-    # "required" and a named function are refused (they need guided decoding)
+    # "none", "auto" (the default with tools: calls found in the output by --tool-call-parser),
+    # "required" (the output is a JSON list of calls) or {"type": "function", "function": {"name":
+    # ...}} (the output is that function's arguments): those two through structured outputs
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True  # false: at most one call per answer (the first)
     include_reasoning: bool = True  # vLLM's: with --reasoning-parser, the answer's reasoning too
@@ -327,12 +339,10 @@ _UNSUPPORTED = {
     "use_beam_search": (False,),
     "suffix": ("",),
     "top_logprobs": (0,),
-    "response_format": ({"type": "text"},),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
     "guided_grammar": (),
-    "structured_outputs": (),
     "logits_processors": (),
     "tools": ([],),  # (the completions API's: the chat API takes them)
     "tool_choice": ("none",),
@@ -364,11 +374,13 @@ def sampling_params(
     max_tokens_field: str = "max_tokens",
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    forced: tuple[StructuredOutputs, str] | None = None,
 ) -> SamplingParams:
     """``req``'s sampling parameters; ``max_tokens`` came from the field ``max_tokens_field``;
     ``logprobs``: the top tokens to list per output token (None: no logprobs);
     ``prompt_logprobs``: per prompt token (None: ``req.prompt_logprobs``, which a stream accepts
-    only as 0 and then computes none, as vLLM)."""
+    only as 0 and then computes none, as vLLM); ``forced``: the structured outputs a chat's
+    ``tool_choice`` asks for, and that field's name."""
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n is {req.n}; allowed: 1..{MAX_N}", "n")
     asked = req.prompt_logprobs
@@ -378,6 +390,7 @@ def sampling_params(
         asked = None
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    structured = structured_for(req, forced)
     try:
         params = SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
@@ -403,6 +416,7 @@ def sampling_params(
             bad_words=req.bad_words or None,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             cache_salt=req.cache_salt,
+            structured_outputs=structured,
         )
     except ValueError as exc:
         message, field_name = str(exc), str(exc).split(" ", 1)[0]
@@ -412,6 +426,72 @@ def sampling_params(
             message = message.replace("max_tokens]", f"{max_tokens_field}]")
         raise APIError(400, message, field_name) from None
     return params
+
+
+# vLLM's structured_outputs fields, and those minengine takes only at their default (as "off")
+_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_STRUCTURED_OFF = {
+    "disable_fallback": False,
+    "disable_additional_properties": False,
+    "whitespace_pattern": None,
+    "structural_tag": None,
+}
+
+
+def structured_for(req: _Sampling, forced: tuple[StructuredOutputs, str] | None = None) -> StructuredOutputs | None:
+    """The request's structured outputs, from one of ``structured_outputs`` (vLLM's),
+    ``response_format`` (the OpenAI API's: ``text``, ``json_object`` or ``json_schema``) and a
+    chat's ``tool_choice`` ("required" or a named function: ``forced``); a 400 naming the field for
+    a bad one, or for two at once."""
+    given: list[tuple[StructuredOutputs, str]] = [] if forced is None else [forced]
+    so = req.structured_outputs
+    if so is not None:
+        extra = next((k for k in so if k not in _STRUCTURED_FIELDS and k not in _STRUCTURED_OFF), None)
+        if extra is not None:
+            why = f"structured_outputs has field {_shown(extra)}; allowed: " + ", ".join(_STRUCTURED_FIELDS)
+            raise APIError(400, why, "structured_outputs")
+        off = next((k for k, v in _STRUCTURED_OFF.items() if so.get(k, v) != v), None)
+        if off is not None:
+            why = f"structured_outputs {off} is {_shown(so[off])}; minengine does not support it (allowed: "
+            raise APIError(400, why + f"{json.dumps(_STRUCTURED_OFF[off])})", "structured_outputs")
+        given.append(
+            (
+                _structured(lambda: StructuredOutputs(**{k: so[k] for k in _STRUCTURED_FIELDS if k in so})),
+                "structured_outputs",
+            )
+        )
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            given.append((_structured(lambda: StructuredOutputs(json_object=True)), "response_format"))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                why = 'response_format json_schema needs a "schema" (a JSON schema object)'
+                raise APIError(400, why, "response_format")
+            given.append((_structured(lambda: StructuredOutputs(json=schema), "response_format"), "response_format"))
+        elif kind != "text":
+            why = f'response_format type is {_shown(kind)}; allowed: "text", "json_object" or "json_schema"'
+            raise APIError(400, why, "response_format")
+    if len(given) > 1:
+        why = f"{given[0][1]} and {given[1][1]} both constrain the output; allowed: one of them"
+        raise APIError(400, why, given[1][1])
+    return given[0][0] if given else None
+
+
+def _structured(make, field_name: str = "structured_outputs") -> StructuredOutputs:
+    """``make()``'s structured outputs, checked (its grammar parses); a 400 naming ``field_name``."""
+    try:
+        spec = make()
+        spec.check()
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        if field_name != "structured_outputs":
+            message = message.replace("structured_outputs json", f"{field_name} schema", 1)
+        raise APIError(400, message, field_name) from None
+    return spec
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -475,19 +555,21 @@ def _tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 
 def tool_parser(state: ServerState, req: ChatCompletionRequest) -> str | None:
     """The parser that finds the tool calls in a request's answer (None: the answer has none),
-    from its ``tool_choice`` (as vLLM: "auto" when it gives tools and no choice); a 400 for a
+    from its ``tool_choice`` (as vLLM: "auto" when it gives tools and no choice): "auto" takes
+    --tool-call-parser, "required" and a named function (``forced_tool``) their own; a 400 for a
     choice this server cannot carry out. A prefill server checks the choice alone: its answer is
     one token, which the router drops (the decode server's flags decide)."""
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     if choice == "none" or (choice == "auto" and req.tools == []):  # (as vLLM: nothing to call)
         return None
-    if req.tools is None:
+    if not req.tools:
         why = f'tool_choice is {_shown(choice)}, but no tools are given; allowed: "none"'
         raise APIError(400, why, "tool_choice")
+    if choice == "required" or isinstance(choice, dict):
+        _named_function(req)  # (checked)
+        return None if state.mode == "prefill" else "required" if choice == "required" else "named"
     if choice != "auto":
-        why = f'tool_choice is {_shown(choice)}; allowed: "none" or "auto"'
-        if choice == "required" or isinstance(choice, dict):  # (vLLM forces them with guided decoding)
-            why += " (minengine has no guided decoding to force a call)"
+        why = f'tool_choice is {_shown(choice)}; allowed: "none", "auto", "required" or a named function'
         raise APIError(400, why, "tool_choice")
     if state.mode == "prefill":
         return None
@@ -498,6 +580,41 @@ def tool_parser(state: ServerState, req: ChatCompletionRequest) -> str | None:
         )
         raise APIError(400, why, "tool_choice")
     return state.tool_call_parser
+
+
+def _named_function(req: ChatCompletionRequest) -> FunctionDefinition | None:
+    """The tool a named ``tool_choice`` names (None for "required"); a 400 for a malformed one or
+    a name that is not among the tools."""
+    choice = req.tool_choice
+    if not isinstance(choice, dict):
+        return None
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type", "function") != "function" or not isinstance(name, str):
+        why = f'tool_choice is {_shown(choice)}; allowed: {{"type": "function", "function": {{"name": ...}}}}'
+        raise APIError(400, why, "tool_choice")
+    tool = next((t.function for t in req.tools if t.function.name == name), None)
+    if tool is None:
+        names = ", ".join(json.dumps(t.function.name) for t in req.tools)
+        why = f"tool_choice names function {_shown(name)}; allowed: one of the tools ({names})"
+        raise APIError(400, why, "tool_choice")
+    return tool
+
+
+def forced_tool(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str] | None:
+    """The structured outputs that a ``tool_choice`` of "required" or a named function asks for
+    (``sampling_params``'s ``forced``); None for any other choice."""
+    if not req.tools or not (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
+        return None
+    named = _named_function(req)
+    try:
+        if named is not None:
+            schema = named.parameters or {"type": "object", "properties": {}}
+        else:
+            schema = required_calls_schema([t.function.model_dump() for t in req.tools])
+    except ValueError as exc:
+        raise APIError(400, str(exc), "tools") from None
+    return _structured(lambda: StructuredOutputs(json=schema), "tool_choice"), "tool_choice"
 
 
 def _message(m: ChatMessage) -> dict[str, Any]:
@@ -534,7 +651,8 @@ class Choice:
     bootstrap: Bootstrap | None = None
     echo: str | None = None  # echo: the prompt's text (the chat API's: the last message's), output first
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (its one token is dropped)
-    tool_parser: str | None = None  # a chat answer's: what finds its tool calls (tool_calls.PARSERS)
+    tool_parser: str | None = None  # a chat answer's: what finds its tool calls (tool_calls.PARSERS or FORCED)
+    tool_function: str | None = None  # a named tool_choice's function
     max_tool_calls: int | None = None  # parallel_tool_calls false: 1
     reasoning_parser: str | None = None  # a chat answer's: what finds its reasoning (reasoning.PARSERS)
     prompt_opens_reasoning: bool = False  # the output goes on reasoning (reasoning.prompt_opens_reasoning)
@@ -548,7 +666,9 @@ class Choice:
 
     def tool_calls(self) -> ToolCallStream | None:
         """A parser for this choice's output, or None when its output has no tool calls."""
-        return None if self.tool_parser is None else ToolCallStream(self.tool_parser, self.max_tool_calls)
+        if self.tool_parser is None:
+            return None
+        return ToolCallStream(self.tool_parser, self.max_tool_calls, self.tool_function)
 
 
 ROOM_LIMIT = 2**63
@@ -753,13 +873,15 @@ def build_app(state: ServerState) -> FastAPI:
                     )
                 except ValueError as exc:
                     raise APIError(400, str(exc), "messages") from None
-            params = sampling_params(req, max_tokens, field_name, (req.top_logprobs or 0) if req.logprobs else None)
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            params = sampling_params(req, max_tokens, field_name, logprobs, forced=forced_tool(req))
             echoed = None if echo is None else [echo]
             choices = _choices(state, [prompt_ids], params, bootstrap, "messages", field_name, echoed)
             reasoning = state.reasoning_parser if state.mode != "prefill" else None
             final = chat_messages([_message(req.messages[-1])])[0]["content"] if req.continue_final_message else None
             for c in choices:
                 c.tool_parser, c.max_tool_calls = parser, None if req.parallel_tool_calls else 1
+                c.tool_function = named.name if (named := _named_function(req)) is not None else None
                 c.reasoning_parser, c.include_reasoning = reasoning, req.include_reasoning
                 c.prompt_opens_reasoning = reasoning is not None and prompt_opens_reasoning(text, final)
         return await _respond(state, raw, req, choices, chat=True, role=role)
@@ -770,7 +892,8 @@ def build_app(state: ServerState) -> FastAPI:
 def _special_tags(tokenizer: Tokenizer, parser: str) -> bool:
     """Whether a tag that tool parser ``parser`` needs in the text is a special token of
     ``tokenizer`` (which decoding would drop)."""
-    return any(tokenizer.backend.token_to_id(tag) in tokenizer.special_ids for tag in PARSERS[parser].kept_tags)
+    tags = PARSERS[parser].kept_tags if parser in PARSERS else ()  # (forced calls are JSON: no tags)
+    return any(tokenizer.backend.token_to_id(tag) in tokenizer.special_ids for tag in tags)
 
 
 def _keep(state: ServerState, k: int | None) -> int | None:
@@ -1042,12 +1165,12 @@ def _chat_message(c: Choice, role: str, text: str, reason: str | None) -> tuple[
         message["reasoning"] = (reasoning or None) if c.include_reasoning else None
     calls = []
     if c.tool_parser is not None:
-        content, calls = parse_tool_calls(c.tool_parser, content, c.max_tool_calls)
+        content, calls = parse_tool_calls(c.tool_parser, content, c.max_tool_calls, c.tool_function)
         message["tool_calls"] = [call.to_json() for call in calls]  # (as vLLM: [] for none)
     text = echo + (content or "")
     # as vLLM: no text is null once reasoning or calls were looked for apart from it
     message["content"] = text if text or not (calls or c.reasoning_parser) else None
-    return message, "tool_calls" if calls and reason != "abort" else reason
+    return message, finish_reason(c.tool_parser, reason, bool(calls)) if c.tool_parser is not None else reason
 
 
 @dataclass(frozen=True)
@@ -1172,8 +1295,8 @@ async def _stream(
             if calls:
                 output["delta"]["tool_calls"] = [call.to_json(k) for k, call in calls]
             reason = piece.finish_reason
-            if reason not in (None, "abort") and parser is not None and parser.calls:  # (as vLLM)
-                reason = "tool_calls"
+            if parser is not None:  # (as vLLM)
+                reason = finish_reason(c.tool_parser, reason, parser.calls > 0)
             reasons = {"finish_reason": reason, "stop_reason": piece.stop_reason}
             lps = _logprobs(state.tokenizer, choices[index], ids, entries, chat, offsets[index], shape.as_ids)
             if lps is not None and ids and not chat:

@@ -18,6 +18,13 @@ streamed answer and a whole one have the same content and calls, however the tex
 A stream holds back only text that might be the start of a tag, until it is known not to be one,
 and whitespace, until it is known to be content; an open block or a llama3_json output waits for
 its end.
+
+A chat's ``tool_choice`` "required" or a named function forces calls with structured outputs
+(the output follows a JSON schema, ``required_calls_schema`` or the function's parameters), as
+vLLM does; no ``--tool-call-parser`` is needed for them:
+- ``required``: the output is a JSON list of ``{"name": ..., "parameters": {...}}``, one call each.
+- ``named``: the output is the named function's arguments, one call.
+Both are read at the end. An output cut short (``length``) that does not parse stays content.
 """
 
 from __future__ import annotations
@@ -192,15 +199,97 @@ class Llama3JsonParser:
         return calls or None
 
 
+class _WholeOutput:
+    """An output that is calls only as a whole: held to the end, content if it does not parse."""
+
+    kept_tags = ()
+
+    def __init__(self) -> None:
+        self._buffer = ""
+
+    def feed(self, text: str) -> list[Item]:
+        self._buffer += text
+        return []
+
+    def finish(self) -> list[Item]:
+        text, self._buffer = self._buffer, ""
+        try:
+            calls = self._calls(json.loads(text))
+        except (ValueError, RecursionError):
+            calls = None
+        return calls if calls is not None else [text] if text else []
+
+
+class RequiredParser(_WholeOutput):
+    """``tool_choice`` "required": a JSON list of calls (``required_calls_schema``)."""
+
+    def _calls(self, value: Any) -> list[ToolCall] | None:
+        if not isinstance(value, list) or not value:
+            return None
+        calls = [_call(item) for item in value]
+        return None if None in calls else calls
+
+
+class NamedParser(_WholeOutput):
+    """``tool_choice`` naming function ``name``: the output is its arguments (a JSON object)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _calls(self, value: Any) -> list[ToolCall] | None:
+        return [ToolCall(self.name, json.dumps(value, ensure_ascii=False))] if isinstance(value, dict) else None
+
+
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+FORCED = ("required", "named")  # tool_choice values carried out with structured outputs
+
+
+def required_calls_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of ``tool_choice`` "required"'s output, as vLLM's: a non-empty list of
+    calls, each ``{"name": <one of the functions>, "parameters": <its arguments>}``. Each function
+    is a dict with its ``name`` and ``parameters`` (a JSON schema; none: any object). Definitions
+    (``$defs``) of the functions' schemas are gathered at the top, where their references point."""
+    defs: dict[str, Any] = {}
+    options = []
+    for fn in functions:
+        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        for name, schema in params.pop("$defs", {}).items():
+            if defs.setdefault(name, schema) != schema:
+                raise ValueError(f"tools define $defs {name!r} twice, differently; allowed: one schema per name")
+        options.append(
+            {
+                "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
+                "required": ["name", "parameters"],
+            }
+        )
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+    return schema | ({"$defs": defs} if defs else {})
+
+
+def finish_reason(parser: str, reason: str | None, called: bool) -> str | None:
+    """A choice's finish reason once its output, parsed by ``parser``, has (``called``) calls; as
+    vLLM and the OpenAI API: ``tool_calls`` for calls found by a parser (also when cut short) and
+    for "required" ones when the output ended itself; a named function's call keeps ``stop``."""
+    if not called or reason in (None, "abort") or parser == "named":
+        return reason
+    if parser == "required":
+        return "tool_calls" if reason == "stop" else reason
+    return "tool_calls"
 
 
 class ToolCallStream:
-    """A choice's output, parsed by parser ``name`` as it streams, at most ``max_calls`` calls
-    kept (None: all; later ones are dropped, as ``parallel_tool_calls`` false asks)."""
+    """A choice's output, parsed by parser ``name`` (or one of ``FORCED``, ``function`` naming a
+    named one's) as it streams, at most ``max_calls`` calls kept (None: all; later ones are
+    dropped, as ``parallel_tool_calls`` false asks)."""
 
-    def __init__(self, name: str, max_calls: int | None = None):
-        self._parser = PARSERS[name]()
+    def __init__(self, name: str, max_calls: int | None = None, function: str | None = None):
+        if name == "required":
+            self._parser = RequiredParser()
+        elif name == "named":
+            self._parser = NamedParser(function)
+        else:
+            self._parser = PARSERS[name]()
         self.max_calls = max_calls
         self.calls = 0  # calls handed out so far
 
@@ -218,8 +307,10 @@ class ToolCallStream:
         return "".join(x for x in items if isinstance(x, str)), calls
 
 
-def parse_tool_calls(name: str, text: str, max_calls: int | None = None) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(
+    name: str, text: str, max_calls: int | None = None, function: str | None = None
+) -> tuple[str | None, list[ToolCall]]:
     """A whole output's (content, calls): what a stream of it gives, all together. The content is
     None when there are calls and nothing else."""
-    content, calls = ToolCallStream(name, max_calls).feed(text, last=True)
+    content, calls = ToolCallStream(name, max_calls, function).feed(text, last=True)
     return (content or None) if calls else content, [call for _, call in calls]

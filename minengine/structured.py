@@ -1,0 +1,236 @@
+"""Structured outputs (vLLM's ``structured_outputs``, the OpenAI API's ``response_format``): the
+output follows a JSON schema, is any JSON object, matches a regular expression, is one of given
+strings, or follows an EBNF grammar. Grammars are xgrammar's (vLLM's and SGLang's default
+backend), an optional dependency: ``pip install xgrammar``.
+
+How a request is constrained:
+- ``StructuredOutputs.check`` parses its grammar without the tokenizer when the request is made,
+  so a bad schema, regex or grammar is a ValueError (a 400) that names the field.
+- ``Grammars.start`` compiles it for the tokenizer in a background thread from then on (xgrammar
+  caches compiled grammars, so a repeated schema compiles once); the request's prefill runs
+  meanwhile. Its first sampling waits for the compilation if that is not done yet (vLLM instead
+  holds the request back from scheduling until then).
+- Before each of its tokens is sampled, its matcher takes the output tokens it has not seen yet
+  (``Request.output_ids`` is the truth: a disaggregated decode server's first token, sampled by
+  the prefill server, is taken the same way) and fills the request's row of a bitmask of allowed
+  tokens, which the sampler applies to the logits before its other adjustments.
+- With overlap scheduling, step N+1 is launched before step N's tokens are read. A step that
+  samples a constrained request therefore runs its forward at once but samples only after step N
+  is read (``Engine.step``): the device computes N+1's logits while the host reads N.
+- Once the grammar is complete it allows only the end-of-sequence tokens; the request stops when
+  one is sampled, also with ``ignore_eos`` (``Engine.stop_reason``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+GRAMMAR_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse (vLLM's default too)
+# characters a request's schema, regex, grammar or choices may take together (xgrammar compiles
+# them in the scheduler process: a bound on what one request can make it do)
+MAX_SOURCE_CHARS = 1 << 18
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON schema, as a dict or
+    JSON text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (EBNF, as
+    xgrammar reads it) and ``json_object`` (any JSON object). ``disable_any_whitespace``: JSON
+    without whitespace between its tokens (a schema's and ``json_object``'s)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs gives {' and '.join(given) or 'no constraint'}; allowed: exactly one of "
+                + ", ".join(KINDS)
+            )
+        if isinstance(self.json, dict):  # kept as JSON text: one form to compare, cache and send
+            try:
+                object.__setattr__(self, "json", json.dumps(self.json, ensure_ascii=False))
+            except (TypeError, ValueError, RecursionError):
+                raise ValueError("structured_outputs json is not JSON-serializable") from None
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs {name} is {type(value).__name__}; allowed: a string")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs json_object is {self.json_object!r}; allowed: true, false or null")
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs choice is {self.choice!r:.80}; allowed: a non-empty list of strings")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                f"structured_outputs disable_any_whitespace is {self.disable_any_whitespace!r}; allowed: true or false"
+            )
+        size = len(self.source)
+        if size > MAX_SOURCE_CHARS:
+            what = f"structured_outputs {self.kind} has {size} characters"
+            raise ValueError(f"{what}; allowed: at most {MAX_SOURCE_CHARS}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def source(self) -> str:
+        """The constraint as one text: a schema, a regex, or an EBNF grammar (a choice's made here)."""
+        if self.kind == "choice":
+            return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+        if self.kind == "json_object":  # (as vLLM: any object, not any JSON value)
+            return '{"type": "object"}'
+        return getattr(self, self.kind)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What its compiled grammar depends on: (how to read ``source``, ``source``, any whitespace)."""
+        kind = {"choice": "grammar", "json_object": "json"}.get(self.kind, self.kind)
+        return kind, self.source, not self.disable_any_whitespace
+
+    def check(self) -> None:
+        """ValueError, naming the field, if the constraint does not parse (no tokenizer needed)."""
+        _parse(*self.key)
+
+
+def xgrammar() -> Any:
+    """The xgrammar module; ValueError naming the package when it is not installed."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise ValueError("structured outputs need the xgrammar package (pip install xgrammar)") from None
+    return xgr
+
+
+@lru_cache(maxsize=256)
+def _parse(kind: str, source: str, any_whitespace: bool) -> None:
+    xgr = xgrammar()
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(source, any_whitespace=any_whitespace)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(source)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(source)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        what = "json is no JSON schema xgrammar takes" if kind == "json" else f"{kind} does not parse"
+        raise ValueError(f"structured_outputs {what}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """xgrammar's message without its source location (``[time] file.cc:line: message``)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    head, sep, rest = text.partition(": ")
+    return rest if sep and ".cc:" in head else text
+
+
+class Grammars:
+    """Compiles requests' constraints for one tokenizer and model vocabulary, and keeps their
+    matchers. Built at the first constrained request (the tokenizer's vocabulary is read then)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
+
+    def start(self, spec: StructuredOutputs) -> Future:
+        """The compiled grammar of ``spec``, compiling in the background."""
+        return self._pool.submit(self._compile, spec.key)
+
+    def _compile(self, key: tuple[str, str, bool]):
+        kind, source, any_whitespace = key
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = self._new_compiler()
+            compiler = self._compiler
+        if kind == "json":
+            return compiler.compile_json_schema(source, any_whitespace=any_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(source)
+        return compiler.compile_grammar(source)
+
+    def _new_compiler(self):
+        xgr = xgrammar()
+        from transformers import PreTrainedTokenizerFast  # (xgrammar depends on transformers)
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Matcher:
+    """A request's place in its grammar: its compiled grammar (maybe still compiling) and how many
+    of its output tokens the matcher has taken."""
+
+    def __init__(self, compiled: Future):
+        self._compiled = compiled
+        self._matcher = None
+        self.taken = 0
+        self.broken = False  # a token the grammar does not allow was output: no longer constrained
+
+    def sync(self, output_ids: list[int]) -> Any | None:
+        """The matcher, having taken ``output_ids`` (waits for the compilation); None once the
+        output has left the grammar (a token it does not allow was forced: the request then goes on
+        unconstrained, with a warning)."""
+        if self.broken:
+            return None
+        if self._matcher is None:
+            self._matcher = xgrammar().GrammarMatcher(self._compiled.result())
+        for token in output_ids[self.taken :]:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                logger.warning("structured outputs: output token %d is not allowed by the grammar", token)
+                self.broken = True
+                return None
+            self.taken += 1
+        return self._matcher
+
+    def terminated(self, output_ids: list[int]) -> bool:
+        """The grammar is complete and an end token was taken: the output is done."""
+        matcher = self.sync(output_ids)
+        return matcher is not None and matcher.is_terminated()
+
+
+def allowed_mask(matchers: list[Matcher | None], outputs: list[list[int]], vocab_size: int) -> torch.Tensor | None:
+    """[rows, ceil(V / 32)] int32 bitmask (host) of the tokens each row's grammar allows next
+    (all, for a row without one); None if no row is constrained."""
+    mask = None
+    for row, (m, ids) in enumerate(zip(matchers, outputs, strict=True)):
+        matcher = m.sync(ids) if m is not None else None
+        if matcher is None or matcher.is_terminated():
+            continue
+        if mask is None:
+            mask = xgrammar().allocate_token_bitmask(len(matchers), vocab_size)
+        matcher.fill_next_token_bitmask(mask, row)
+    return mask
+
+
+def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> None:
+    """Set ``logits`` [rows, V] to -inf where bitmask ``mask`` [rows, ceil(V / 32)] (on the same
+    device) has a 0 bit."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (mask[:, :, None] >> shifts) & 1  # [rows, words, 32], bit j of word w: token 32 w + j
+    banned = bits.view(mask.shape[0], -1)[:, : logits.shape[1]] == 0
+    logits.masked_fill_(banned, float("-inf"))
