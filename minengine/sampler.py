@@ -255,9 +255,11 @@ def _indices(cells: list[tuple[int, int]], device: torch.device) -> tuple[torch.
 
 
 def _adjusts(req: Request) -> bool:
-    """Its logits are adjusted in this step (it is being sampled: its token is counted)."""
+    """Its logits are adjusted in this step (it is being sampled: its token is counted). Not once
+    it has finished (a step sampled after the step that finished it: its token is dropped, and the
+    state it dropped at its end is not made again)."""
     p = req.params
-    return (
+    return not req.finished and (
         (req.matcher is not None and not req.matcher.broken)
         or p.penalizes
         or bool(p.logit_bias)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,9 +36,12 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 GRAMMAR_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse (vLLM's default too)
-# characters a request's schema, regex, grammar or choices may take together (xgrammar compiles
-# them in the scheduler process: a bound on what one request can make it do)
-MAX_SOURCE_CHARS = 1 << 18
+# characters a request's schema, regex, grammar or choices may take together, and the nesting
+# depth of a schema: xgrammar's time grows with both (cubically with the depth: 0.02 s at 64, 4.5 s
+# at 400), and a request's grammar is compiled in the scheduler process, so they bound what one
+# request can make it do
+MAX_SOURCE_CHARS = 1 << 16
+MAX_SCHEMA_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class StructuredOutputs:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"structured_outputs {name} is {type(value).__name__}; allowed: a string")
-        if self.json_object not in (None, True, False):
+        if not any(self.json_object is v for v in (None, True, False)):
             raise ValueError(f"structured_outputs json_object is {self.json_object!r}; allowed: true, false or null")
         if self.choice is not None and (
             not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
@@ -86,6 +88,10 @@ class StructuredOutputs:
         if size > MAX_SOURCE_CHARS:
             what = f"structured_outputs {self.kind} has {size} characters"
             raise ValueError(f"{what}; allowed: at most {MAX_SOURCE_CHARS}")
+        if self.json is not None:
+            depth = _depth(self.json)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"structured_outputs json nests {depth} deep; allowed: at most {MAX_SCHEMA_DEPTH}")
 
     @property
     def kind(self) -> str:
@@ -107,8 +113,26 @@ class StructuredOutputs:
         return kind, self.source, not self.disable_any_whitespace
 
     def check(self) -> None:
-        """ValueError, naming the field, if the constraint does not parse (no tokenizer needed)."""
+        """ValueError, naming the field, if the constraint does not compile (checked against an
+        empty vocabulary: no tokenizer needed, and compiling it for one cannot fail after this)."""
         _parse(*self.key)
+
+
+def _depth(text: str) -> int:
+    """How deep the brackets of JSON text nest (strings skipped)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
 
 
 def xgrammar() -> Any:
@@ -122,17 +146,27 @@ def xgrammar() -> Any:
 
 @lru_cache(maxsize=256)
 def _parse(kind: str, source: str, any_whitespace: bool) -> None:
-    xgr = xgrammar()
     try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(source, any_whitespace=any_whitespace)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(source)
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(source)
+        _compile(_empty_compiler(), (kind, source, any_whitespace))
     except (RuntimeError, ValueError, TypeError) as exc:
         what = "json is no JSON schema xgrammar takes" if kind == "json" else f"{kind} does not parse"
         raise ValueError(f"structured_outputs {what}: {_first_line(exc)}") from None
+
+
+@lru_cache(maxsize=1)
+def _empty_compiler():
+    """A compiler over no vocabulary: it checks that a grammar compiles, at little cost."""
+    xgr = xgrammar()
+    return xgr.GrammarCompiler(xgr.TokenizerInfo([]), max_threads=1, cache_enabled=False)
+
+
+def _compile(compiler, key: tuple[str, str, bool]):
+    kind, source, any_whitespace = key
+    if kind == "json":
+        return compiler.compile_json_schema(source, any_whitespace=any_whitespace)
+    if kind == "regex":
+        return compiler.compile_regex(source)
+    return compiler.compile_grammar(source)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -149,25 +183,16 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: frozenset[int]):
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
         self._compiler = None
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
 
     def start(self, spec: StructuredOutputs) -> Future:
-        """The compiled grammar of ``spec``, compiling in the background."""
-        return self._pool.submit(self._compile, spec.key)
-
-    def _compile(self, key: tuple[str, str, bool]):
-        kind, source, any_whitespace = key
-        with self._lock:
-            if self._compiler is None:
-                self._compiler = self._new_compiler()
-            compiler = self._compiler
-        if kind == "json":
-            return compiler.compile_json_schema(source, any_whitespace=any_whitespace)
-        if kind == "regex":
-            return compiler.compile_regex(source)
-        return compiler.compile_grammar(source)
+        """The compiled grammar of ``spec``, compiling in the background. (The first call reads the
+        tokenizer's vocabulary here, on the caller's thread: the tokenizer is not shared with the
+        compile thread.)"""
+        if self._compiler is None:
+            self._compiler = self._new_compiler()
+        return self._pool.submit(_compile, self._compiler, spec.key)
 
     def _new_compiler(self):
         xgr = xgrammar()
@@ -194,11 +219,16 @@ class Matcher:
     def sync(self, output_ids: list[int]) -> Any | None:
         """The matcher, having taken ``output_ids`` (waits for the compilation); None once the
         output has left the grammar (a token it does not allow was forced: the request then goes on
-        unconstrained, with a warning)."""
+        unconstrained, with a warning; as when its grammar failed to compile)."""
         if self.broken:
             return None
         if self._matcher is None:
-            self._matcher = xgrammar().GrammarMatcher(self._compiled.result())
+            try:
+                self._matcher = xgrammar().GrammarMatcher(self._compiled.result())
+            except Exception:  # (checked when the request came: not expected; the engine goes on)
+                logger.exception("structured outputs: the grammar did not compile; the request goes on without it")
+                self.broken = True
+                return None
         for token in output_ids[self.taken :]:
             if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 logger.warning("structured outputs: output token %d is not allowed by the grammar", token)

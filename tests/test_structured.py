@@ -17,7 +17,7 @@ import xgrammar as xgr
 from minengine import LLM
 from minengine.models.tiny import EOS_ID, tiny_tokenizer
 from minengine.sampling_params import SamplingParams
-from minengine.structured import MAX_SOURCE_CHARS, StructuredOutputs, apply_mask
+from minengine.structured import MAX_SCHEMA_DEPTH, MAX_SOURCE_CHARS, StructuredOutputs, apply_mask
 
 SCHEMA = {
     "type": "object",
@@ -33,6 +33,14 @@ KINDS = [
     (StructuredOutputs(grammar='root ::= "A" [0-9]+ "Z"'), lambda t: re.fullmatch("A[0-9]+Z", t)),
     (StructuredOutputs(json_object=True, disable_any_whitespace=True), lambda t: isinstance(json.loads(t), dict)),
 ]
+
+
+def _nested(depth: int) -> dict:
+    """A schema of arrays ``depth`` deep (its brackets one deeper), with a bracket in a string."""
+    schema = {"type": "string", "pattern": "[{]"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
 
 
 def _follows_schema(value) -> bool:
@@ -86,6 +94,13 @@ def _check_output(spec, follows, out) -> None:
         ({"choice": ["a", 1]}, "allowed: a non-empty list of strings"),
         ({"regex": 3}, "regex is int; allowed: a string"),
         ({"json_object": "yes"}, "json_object is 'yes'; allowed: true, false or null"),
+        ({"json_object": 1}, "json_object is 1; allowed: true, false or null"),
+        # parses, but does not compile: found when the request comes, not in the scheduler's step
+        ({"json": {"type": "string", "minLength": -1}}, "Invalid repetition range"),
+        (
+            {"json": _nested(MAX_SCHEMA_DEPTH)},
+            f"json nests {MAX_SCHEMA_DEPTH + 1} deep; allowed: at most {MAX_SCHEMA_DEPTH}",
+        ),
         ({"json_object": True, "disable_any_whitespace": 1}, "disable_any_whitespace is 1; allowed: true or false"),
         ({"regex": "a" * (MAX_SOURCE_CHARS + 1)}, f"allowed: at most {MAX_SOURCE_CHARS}"),
     ],
@@ -180,6 +195,32 @@ def test_a_token_the_grammar_cannot_take_frees_the_request_with_a_warning(engine
     o = out.outputs[0]
     assert o.token_ids[:2] == [ord("a"), 0] and o.finish_reason in ("length", "stop")
     assert "output token 0 is not allowed by the grammar" in caplog.text
+
+
+def test_a_deep_schema_within_the_bound_compiles():
+    StructuredOutputs(json=_nested(MAX_SCHEMA_DEPTH - 1)).check()
+
+
+def test_a_step_sampled_after_a_request_ended_makes_none_of_its_state_again(engines):
+    # with overlap, the step after the one that ends a request samples once that one is read: the
+    # finished request's penalty counts, prompt marks and bad-word tail stay dropped
+    engine = engines[1].engine
+    spec = StructuredOutputs(choice=["ab"])
+    reqs = [
+        engine.add_request(
+            [65, 66], SamplingParams(max_tokens=8, temperature=0, frequency_penalty=0.5, structured_outputs=spec)
+        ),
+        engine.add_request(
+            [67, 68],
+            SamplingParams(
+                max_tokens=8, temperature=0, repetition_penalty=1.2, bad_words=["zz"], stop_token_ids=list(range(260))
+            ),
+        ),
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.finish_reason for r in reqs] == ["stop", "stop"] and reqs[0].output_ids[:2] == [ord("a"), ord("b")]
+    assert all(r.output_counts is None and r.prompt_seen is None and r.output_tail is None for r in reqs)
 
 
 def test_a_bad_constraint_is_refused_before_it_runs(engines):

@@ -633,6 +633,8 @@ def test_the_required_schema_lists_the_tools_and_gathers_their_definitions():
     other = {"name": "c", "parameters": {"$defs": {"P": {"type": "string"}}}}
     with pytest.raises(ValueError, match="twice"):
         required_calls_schema([*fns, other])
+    with pytest.raises(ValueError, match="has \\$defs 5; allowed: an object"):
+        required_calls_schema([{"name": "d", "parameters": {"$defs": 5}}])
 
 
 @pytest.mark.parametrize("stream", [False, True])

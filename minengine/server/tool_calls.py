@@ -254,7 +254,10 @@ def required_calls_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     options = []
     for fn in functions:
         params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
-        for name, schema in params.pop("$defs", {}).items():
+        own = params.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise ValueError(f"tools function {fn['name']!r} has $defs {own!r:.40}; allowed: an object")
+        for name, schema in own.items():
             if defs.setdefault(name, schema) != schema:
                 raise ValueError(f"tools define $defs {name!r} twice, differently; allowed: one schema per name")
         options.append(
