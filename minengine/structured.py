@@ -115,7 +115,7 @@ class StructuredOutputs:
     def check(self) -> None:
         """ValueError, naming the field, if the constraint does not compile (checked against an
         empty vocabulary: no tokenizer needed, and compiling it for one cannot fail after this)."""
-        _parse(*self.key)
+        _parse(self.kind, *self.key)
 
 
 def _depth(text: str) -> int:
@@ -145,11 +145,13 @@ def xgrammar() -> Any:
 
 
 @lru_cache(maxsize=256)
-def _parse(kind: str, source: str, any_whitespace: bool) -> None:
+def _parse(name: str, kind: str, source: str, any_whitespace: bool) -> None:
+    """Compile (``kind``, ``source``, ``any_whitespace``); a ValueError naming the request's field
+    ``name`` if it does not."""
     try:
         _compile(_empty_compiler(), (kind, source, any_whitespace))
     except (RuntimeError, ValueError, TypeError) as exc:
-        what = "json is no JSON schema xgrammar takes" if kind == "json" else f"{kind} does not parse"
+        what = "json is no JSON schema xgrammar takes" if kind == "json" else f"{name} does not parse"
         raise ValueError(f"structured_outputs {what}: {_first_line(exc)}") from None
 
 
@@ -184,7 +186,6 @@ class Grammars:
         self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
         self._compiler = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
 
     def start(self, spec: StructuredOutputs) -> Future:
         """The compiled grammar of ``spec``, compiling in the background. (The first call reads the

@@ -91,6 +91,7 @@ def _check_output(spec, follows, out) -> None:
         ({"regex": "("}, "regex does not parse: Regex parsing error at position 2"),
         ({"grammar": "root ::= x"}, 'grammar does not parse: EBNF parser error at line 1, column 10: Rule "x" is not'),
         ({"choice": []}, "choice is []; allowed: a non-empty list of strings"),
+        ({"choice": ["a", "\ud800"]}, "choice does not parse: 'utf-8' codec can't encode"),
         ({"choice": ["a", 1]}, "allowed: a non-empty list of strings"),
         ({"regex": 3}, "regex is int; allowed: a string"),
         ({"json_object": "yes"}, "json_object is 'yes'; allowed: true, false or null"),
