@@ -75,8 +75,7 @@ class Sampler:
         no request keeps any)."""
         device, vocab = logits.device, logits.shape[-1]
         if any(req.matcher is not None for req in reqs):  # structured outputs: their grammars' tokens only
-            matchers = [None if req.finished else req.matcher for req in reqs]  # (a finished one's token is dropped)
-            mask = allowed_mask(matchers, [req.output_ids for req in reqs], vocab)
+            mask = allowed_mask([req.matcher for req in reqs], [req.output_ids for req in reqs], vocab)
             if mask is not None:
                 apply_mask(logits, mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask)
         limited = [j for j, req in enumerate(reqs) if req.params.allowed_token_ids is not None]

@@ -409,7 +409,7 @@ def test_a_prefill_server_checks_the_choice_but_finds_no_calls():
         assert api.tool_parser(state, req) == want
     # forced calls: a prefill server samples the first token under the grammar, finds no calls
     required = req.model_copy(update={"tool_choice": "required"})
-    assert api.tool_parser(state, required) is None and api.forced_tool(required)[0].json
+    assert api.tool_parser(state, required) is None and api.forced_tool(required, None)[0].json
     with pytest.raises(api.APIError, match="allowed: one of the tools"):
         api.tool_parser(state, req.model_copy(update={"tool_choice": {"function": {"name": "nope"}}}))
 

@@ -32,13 +32,14 @@ from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
 from minengine.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
 from minengine.server.tool_calls import (
+    FORCED,
     PARSERS,
     ToolCallStream,
     finish_reason,
     parse_tool_calls,
     required_calls_schema,
 )
-from minengine.structured import StructuredOutputs
+from minengine.structured import KINDS, StructuredOutputs
 from minengine.tokenizer import Tokenizer, chat_messages
 
 DRAIN_SECONDS = 5.0
@@ -429,7 +430,7 @@ def sampling_params(
 
 
 # vLLM's structured_outputs fields, and those minengine takes only at their default (as "off")
-_STRUCTURED_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_STRUCTURED_FIELDS = (*KINDS, "disable_any_whitespace")
 _STRUCTURED_OFF = {
     "disable_fallback": False,
     "disable_additional_properties": False,
@@ -601,12 +602,12 @@ def _named_function(req: ChatCompletionRequest) -> FunctionDefinition | None:
     return tool
 
 
-def forced_tool(req: ChatCompletionRequest) -> tuple[StructuredOutputs, str] | None:
-    """The structured outputs that a ``tool_choice`` of "required" or a named function asks for
-    (``sampling_params``'s ``forced``); None for any other choice."""
-    if not req.tools or not (req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
+def forced_tool(req: ChatCompletionRequest, named: FunctionDefinition | None) -> tuple[StructuredOutputs, str] | None:
+    """The structured outputs that a ``tool_choice`` of "required" or a named function
+    (``named``, from ``_named_function``) asks for (``sampling_params``'s ``forced``); None for
+    any other choice."""
+    if not req.tools or not (req.tool_choice == "required" or named is not None):
         return None
-    named = _named_function(req)
     try:
         if named is not None:
             schema = named.parameters or {"type": "object", "properties": {}}
@@ -874,14 +875,15 @@ def build_app(state: ServerState) -> FastAPI:
                 except ValueError as exc:
                     raise APIError(400, str(exc), "messages") from None
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-            params = sampling_params(req, max_tokens, field_name, logprobs, forced=forced_tool(req))
+            named = _named_function(req)  # (tool_parser checked it)
+            params = sampling_params(req, max_tokens, field_name, logprobs, forced=forced_tool(req, named))
             echoed = None if echo is None else [echo]
             choices = _choices(state, [prompt_ids], params, bootstrap, "messages", field_name, echoed)
             reasoning = state.reasoning_parser if state.mode != "prefill" else None
             final = chat_messages([_message(req.messages[-1])])[0]["content"] if req.continue_final_message else None
             for c in choices:
                 c.tool_parser, c.max_tool_calls = parser, None if req.parallel_tool_calls else 1
-                c.tool_function = named.name if (named := _named_function(req)) is not None else None
+                c.tool_function = named.name if named is not None else None
                 c.reasoning_parser, c.include_reasoning = reasoning, req.include_reasoning
                 c.prompt_opens_reasoning = reasoning is not None and prompt_opens_reasoning(text, final)
         return await _respond(state, raw, req, choices, chat=True, role=role)
@@ -892,7 +894,7 @@ def build_app(state: ServerState) -> FastAPI:
 def _special_tags(tokenizer: Tokenizer, parser: str) -> bool:
     """Whether a tag that tool parser ``parser`` needs in the text is a special token of
     ``tokenizer`` (which decoding would drop)."""
-    tags = PARSERS[parser].kept_tags if parser in PARSERS else ()  # (forced calls are JSON: no tags)
+    tags = (PARSERS | FORCED)[parser].kept_tags
     return any(tokenizer.backend.token_to_id(tag) in tokenizer.special_ids for tag in tags)
 
 

@@ -242,7 +242,9 @@ class NamedParser(_WholeOutput):
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
-FORCED = ("required", "named")  # tool_choice values carried out with structured outputs
+# the parsers of the tool_choice values carried out with structured outputs (a named one's takes
+# the function's name)
+FORCED = {"required": RequiredParser, "named": NamedParser}
 
 
 def required_calls_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
@@ -287,12 +289,7 @@ class ToolCallStream:
     dropped, as ``parallel_tool_calls`` false asks)."""
 
     def __init__(self, name: str, max_calls: int | None = None, function: str | None = None):
-        if name == "required":
-            self._parser = RequiredParser()
-        elif name == "named":
-            self._parser = NamedParser(function)
-        else:
-            self._parser = PARSERS[name]()
+        self._parser = NamedParser(function) if name == "named" else (PARSERS | FORCED)[name]()
         self.max_calls = max_calls
         self.calls = 0  # calls handed out so far
 
