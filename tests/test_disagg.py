@@ -66,7 +66,16 @@ class Pair:
                 **(decode or {}),
             }
         )
-        self.p = PrefillDriver(Engine(pcfg, detokenize=False))
+        for attempt in range(5):  # a free port can be taken before the bind (an ephemeral one of a connection)
+            try:
+                self.p = PrefillDriver(Engine(pcfg, detokenize=False))
+                break
+            except transfer.TransferError as exc:
+                if "cannot listen" not in str(exc) or attempt == 4:
+                    raise
+                self.port = free_port()
+                pcfg = replace(pcfg, disaggregation_bootstrap_port=self.port)
+        dcfg = replace(dcfg, disaggregation_bootstrap_port=self.port)
         self.d = DecodeDriver(Engine(dcfg, detokenize=False))
         self.rooms = iter(range(1000, 10**6))
         self.out: dict[str, dict] = {}
