@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
+from concurrent import futures
 
 import torch
 
@@ -23,7 +24,7 @@ from minengine.sampler import Sampler
 from minengine.sampling_params import SamplingParams
 from minengine.scheduler import Scheduler
 from minengine.scheduler.prefill_delayer import DelayerConfig, PrefillDelayer
-from minengine.structured import Grammars, Matcher
+from minengine.structured import Grammars, Matcher, check_reasoning
 from minengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ def check_prompt(
     bad_words_ids = params.bad_words_token_ids(tokenizer, vocab_size)
     if params.structured_outputs is not None:  # (its grammar parses: compiling it cannot fail later)
         params.structured_outputs.check()
+        check_reasoning(params.structured_outputs, tokenizer)
     total = len(prompt_ids) + params.max_tokens
     for limit, what in ((context_length, "the context length"), (kv_capacity, "the KV cache capacity of")):
         if total > limit:
@@ -275,7 +277,11 @@ class Engine:
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
             detok=IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids) if self.detokenize else None,
             bad_words_ids=bad_words_ids,
-            matcher=Matcher(self.grammars.start(spec)) if spec is not None else None,
+            matcher=(
+                Matcher(self.grammars.start(spec), spec.reasoning, check_reasoning(spec, self.tokenizer))
+                if spec is not None
+                else None
+            ),
         )
 
     def abort(self, req: Request) -> None:
@@ -305,7 +311,7 @@ class Engine:
             with step_range("h2d"):
                 fb, samplers, prompt = self.runner.prepare(batch)
             self.scheduler.advance(batch)
-            wait = self._in_flight is not None and any(req.matcher is not None for req in samplers)
+            wait = self._in_flight is not None and any(r.matcher is not None and not r.matcher.broken for r in samplers)
             launched = self.runner.launch(fb, samplers, prompt, sample=not wait)
             launched.kv = [(req, req.num_computed) for req, _ in batch]
         if not self.overlap:
@@ -316,7 +322,16 @@ class Engine:
         if launched is not None and launched.unsampled is not None:
             self.runner.sample(launched)
         self._in_flight = launched
+        if launched is None and not done:
+            self._wait_for_grammars()
         return done
+
+    def _wait_for_grammars(self, timeout: float = 0.01) -> None:
+        """Nothing ran: if requests wait for their grammars (``Request.grammar_hold``), block until
+        one compiles (at most ``timeout`` s: the caller also takes new requests) instead of spinning."""
+        held = [r.matcher.compiled for r in (*self.scheduler.running, *self.scheduler.waiting) if r.grammar_hold]
+        if held:
+            futures.wait(held, timeout, futures.FIRST_COMPLETED)
 
     def _commit(self, step: Launched) -> list[Request]:
         tokens, logprobs = self.runner.resolve(step)

@@ -93,6 +93,19 @@ class Request:
         return num_tokens - self.num_computed
 
     @property
+    def grammar_hold(self) -> int:
+        """1 while the grammar its next sampling needs is compiling (a step that sampled it would
+        wait): the token that samples is held back; else 0."""
+        return int(self.matcher is not None and not self.matcher.ready())
+
+    @property
+    def num_schedulable(self) -> int:
+        """Its pending tokens a step may compute now (all but the one that samples, while
+        ``grammar_hold``)."""
+        n = self.num_pending
+        return n - self.grammar_hold if n else 0
+
+    @property
     def num_tokens(self) -> int:
         """Prompt + generated tokens, counting those sampled on the device but not read yet."""
         return len(self.token_ids) + self.num_inflight

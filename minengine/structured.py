@@ -8,8 +8,9 @@ How a request is constrained:
   so a bad schema, regex or grammar is a ValueError (a 400) that names the field.
 - ``Grammars.start`` compiles it for the tokenizer in a background thread from then on (xgrammar
   caches compiled grammars, so a repeated schema compiles once); the request's prefill runs
-  meanwhile. Its first sampling waits for the compilation if that is not done yet (vLLM instead
-  holds the request back from scheduling until then).
+  meanwhile, all but its last token: the scheduler holds back the token that samples (and a
+  decode) until the grammar is compiled (``Matcher.ready``), so one slow grammar never holds a step
+  (vLLM keeps such a request out of scheduling).
 - Before each of its tokens is sampled, its matcher takes the output tokens it has not seen yet
   (``Request.output_ids`` is the truth: a disaggregated decode server's first token, sampled by
   the prefill server, is taken the same way) and fills the request's row of a bitmask of allowed
@@ -19,6 +20,9 @@ How a request is constrained:
   is read (``Engine.step``): the device computes N+1's logits while the host reads N.
 - Once the grammar is complete it allows only the end-of-sequence tokens; the request stops when
   one is sampled, also with ``ignore_eos`` (``Engine.stop_reason``).
+- After reasoning (``StructuredOutputs.reasoning``, which the chat server sets with
+  ``--reasoning-parser``, as vLLM applies a grammar): an output that reasons is free up to its
+  ``</think>`` token, and the grammar takes the tokens after it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# where the grammar starts (``StructuredOutputs.reasoning``): after the </think> of a block the
+# output starts in ("open"), or that its first token may open ("may_open")
+REASONING = ("open", "may_open")
+THINK_TAGS = ("<think>", "</think>")
 GRAMMAR_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse (vLLM's default too)
 # characters a request's schema, regex, grammar or choices may take together, and the nesting
 # depth of a schema: xgrammar's time grows with both (cubically with the depth: 0.02 s at 64, 4.5 s
@@ -49,7 +57,13 @@ class StructuredOutputs:
     """vLLM's ``StructuredOutputsParams``: exactly one of ``json`` (a JSON schema, as a dict or
     JSON text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (EBNF, as
     xgrammar reads it) and ``json_object`` (any JSON object). ``disable_any_whitespace``: JSON
-    without whitespace between its tokens (a schema's and ``json_object``'s)."""
+    without whitespace between its tokens (a schema's and ``json_object``'s).
+
+    ``reasoning``: where the grammar starts, for a model that reasons in a ``<think>`` block (both
+    tags single tokens of its tokenizer): None, at the first output token; "open", after the
+    ``</think>`` token of the block the output starts in (the prompt opened it; the reasoning is
+    free); "may_open", as "open" if the first output token is ``<think>`` (which the grammar then
+    allows too), else at the first token. The chat server sets it with ``--reasoning-parser``."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -57,6 +71,7 @@ class StructuredOutputs:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -84,6 +99,9 @@ class StructuredOutputs:
             raise ValueError(
                 f"structured_outputs disable_any_whitespace is {self.disable_any_whitespace!r}; allowed: true or false"
             )
+        if self.reasoning is not None and self.reasoning not in REASONING:
+            allowed = ", ".join(f'"{r}"' for r in REASONING)
+            raise ValueError(f"structured_outputs reasoning is {self.reasoning!r:.40}; allowed: null, {allowed}")
         size = len(self.source)
         if size > MAX_SOURCE_CHARS:
             what = f"structured_outputs {self.kind} has {size} characters"
@@ -116,6 +134,25 @@ class StructuredOutputs:
         """ValueError, naming the field, if the constraint does not compile (checked against an
         empty vocabulary: no tokenizer needed, and compiling it for one cannot fail after this)."""
         _parse(self.kind, *self.key)
+
+
+def think_ids(tokenizer) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` when both are single tokens of ``tokenizer`` (as in
+    Qwen3's and DeepSeek-R1's); None otherwise."""
+    ids = tuple(tokenizer.backend.token_to_id(tag) for tag in THINK_TAGS)
+    return ids if None not in ids else None
+
+
+def check_reasoning(spec: StructuredOutputs, tokenizer) -> tuple[int, int] | None:
+    """``think_ids(tokenizer)`` for a ``spec`` that starts after reasoning (None for one that does
+    not); ValueError naming the field if the tokenizer has no such tags."""
+    if spec.reasoning is None:
+        return None
+    ids = think_ids(tokenizer)
+    if ids is None:
+        why = f"structured_outputs reasoning is {spec.reasoning!r}; it needs <think> and </think> as single tokens"
+        raise ValueError(why + ", which the tokenizer does not have (allowed: null)")
+    return ids
 
 
 def _depth(text: str) -> int:
@@ -208,29 +245,72 @@ class Grammars:
 
 
 class Matcher:
-    """A request's place in its grammar: its compiled grammar (maybe still compiling) and how many
-    of its output tokens the matcher has taken."""
+    """A request's place in its grammar: its compiled grammar (maybe still compiling), where in the
+    output the grammar starts (``StructuredOutputs.reasoning``: after the reasoning, when the output
+    reasons), and how many output tokens from there the matcher has taken."""
 
-    def __init__(self, compiled: Future):
-        self._compiled = compiled
+    def __init__(self, compiled: Future, reasoning: str | None = None, think_ids: tuple[int, int] | None = None):
+        if reasoning is not None and think_ids is None:
+            raise ValueError(f"structured_outputs reasoning {reasoning!r} needs the <think> and </think> token ids")
+        self.compiled = compiled  # the compiled grammar (a future)
         self._matcher = None
-        self.taken = 0
+        self._reasoning, self._think = reasoning, think_ids
+        self.start = 0 if reasoning is None else None  # the output index the grammar starts at (None: not known)
+        self._scanned = 0  # output tokens looked through for the </think> that ends the reasoning
+        self.taken = 0  # output tokens from ``start`` on that the matcher took
         self.broken = False  # a token the grammar does not allow was output: no longer constrained
 
+    def _start(self, output_ids: list[int]) -> int | None:
+        """Where the grammar starts in the output: None while the output reasons (its next token is
+        free); 0 before the first token of a "may_open" output, which may still open a block."""
+        if self.start is not None:
+            return self.start
+        if self._reasoning == "may_open":
+            if not output_ids:
+                return 0
+            if output_ids[0] != self._think[0]:  # no reasoning: the grammar took the first token
+                self.start = 0
+                return 0
+            self._reasoning, self._scanned = "open", 1
+        close = self._think[1]
+        while self._scanned < len(output_ids):
+            self._scanned += 1
+            if output_ids[self._scanned - 1] == close:
+                self.start = self._scanned
+                return self.start
+        return None
+
+    def ready(self) -> bool:
+        """Its next sampling will not wait for the compilation: the grammar is compiled (or failed),
+        or the output reasons (its next token is free, unless the token in flight ends the
+        reasoning; the sampling then waits)."""
+        return (
+            self._matcher is not None
+            or self.broken
+            or self.compiled.done()
+            or (self.start is None and self._reasoning == "open")
+        )
+
+    def also_allowed(self, output_ids: list[int]) -> int | None:
+        """A token the next one may be besides the grammar's: ``<think>``, as a "may_open"
+        output's first token."""
+        return self._think[0] if self._reasoning == "may_open" and not output_ids else None
+
     def sync(self, output_ids: list[int]) -> Any | None:
-        """The matcher, having taken ``output_ids`` (waits for the compilation); None once the
-        output has left the grammar (a token it does not allow was forced: the request then goes on
-        unconstrained, with a warning; as when its grammar failed to compile)."""
-        if self.broken:
+        """The matcher, having taken ``output_ids`` from where the grammar starts (waits for the
+        compilation); None while the output reasons, and once it has left the grammar (a token it
+        does not allow was forced: the request then goes on unconstrained, with a warning; as when
+        its grammar failed to compile)."""
+        if self.broken or (start := self._start(output_ids)) is None:
             return None
         if self._matcher is None:
             try:
-                self._matcher = xgrammar().GrammarMatcher(self._compiled.result())
+                self._matcher = xgrammar().GrammarMatcher(self.compiled.result())
             except Exception:  # (checked when the request came: not expected; the engine goes on)
                 logger.exception("structured outputs: the grammar did not compile; the request goes on without it")
                 self.broken = True
                 return None
-        for token in output_ids[self.taken :]:
+        for token in output_ids[start + self.taken :]:
             if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 logger.warning("structured outputs: output token %d is not allowed by the grammar", token)
                 self.broken = True
@@ -246,7 +326,7 @@ class Matcher:
 
 def allowed_mask(matchers: list[Matcher | None], outputs: list[list[int]], vocab_size: int) -> torch.Tensor | None:
     """[rows, ceil(V / 32)] int32 bitmask (host) of the tokens each row's grammar allows next
-    (all, for a row without one); None if no row is constrained."""
+    (all, for a row without one or whose output reasons); None if no row is constrained."""
     mask = None
     for row, (m, ids) in enumerate(zip(matchers, outputs, strict=True)):
         matcher = m.sync(ids) if m is not None else None
@@ -255,7 +335,14 @@ def allowed_mask(matchers: list[Matcher | None], outputs: list[list[int]], vocab
         if mask is None:
             mask = xgrammar().allocate_token_bitmask(len(matchers), vocab_size)
         matcher.fill_next_token_bitmask(mask, row)
+        if (token := m.also_allowed(ids)) is not None:
+            mask[row, token // 32] |= _bit(token % 32)
     return mask
+
+
+def _bit(j: int) -> int:
+    """Bit ``j`` of an int32 word as a Python int of that word's sign (bit 31 is negative)."""
+    return (1 << j) - (1 << 32) * (j == 31)
 
 
 def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> None:

@@ -23,8 +23,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(path: Path, vocab_size: int = 400) -> int:
-    """A byte-level BPE ``tokenizer.json`` trained on a small corpus; returns its vocab size."""
+def build_tokenizer(path: Path, vocab_size: int = 400, added_tokens: tuple[str, ...] = ()) -> int:
+    """A byte-level BPE ``tokenizer.json`` trained on a small corpus, with ``added_tokens`` (not
+    special: decoding keeps them, as Qwen3's ``<think>``) after its vocabulary; returns its vocab
+    size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -37,6 +39,7 @@ def build_tokenizer(path: Path, vocab_size: int = 400) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
+    tok.add_tokens(list(added_tokens))
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
     )
@@ -60,14 +63,15 @@ def build_checkpoint(
     hidden_size: int = 128,
     num_heads: int = 4,
     num_kv_heads: int = 2,
+    added_tokens: tuple[str, ...] = (),
     **overrides,
 ) -> Path:
     """A 2-layer float32 checkpoint of ``arch`` (llama | mistral | qwen2 | qwen3) with a trained tokenizer;
     ``num_heads`` query and ``num_kv_heads`` KV heads of head dim hidden_size / num_heads (qwen3: 32).
-    ``overrides``: more config fields (``attention_bias``, ...)."""
+    ``added_tokens``: as ``build_tokenizer``'s. ``overrides``: more config fields (``attention_bias``, ...)."""
     import transformers
 
-    vocab = build_tokenizer(path)
+    vocab = build_tokenizer(path, added_tokens=added_tokens)
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden_size,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import openai
 import pytest
 from test_tool_calls import ASK, CLOCK, WEATHER, call, scripted
 
@@ -310,3 +311,38 @@ def test_streamed_and_whole_answers_agree_through_the_api():
             assert sum(len(ch.logprobs.content) for ch in got if ch.logprobs) == len(want.logprobs.content)
             ids = [i for ch in got for i in ch.model_extra.get("token_ids") or ()]
             assert ids == want.model_extra["token_ids"]
+
+
+def test_a_constrained_answer_has_its_grammar_start_after_the_reasoning(monkeypatch):
+    """As vLLM with a reasoning parser: the grammar of ``response_format``, ``structured_outputs``
+    or a forced ``tool_choice`` starts after the reasoning, where the parser finds it (the engine
+    side: test_structured.py). Only with <think> and </think> as tokens; not a field of the API."""
+    from minengine.server import api
+
+    thinking = tiny_tokenizer()
+    thinking.backend.add_tokens(["<think>", "</think>"])
+
+    def reasoning_of(parser, tokenizer=thinking, **body):
+        client, fake = scripted(
+            ["{}"], parser=None, reasoning_parser=parser, tokenizer=tokenizer, template=THINKING_TEMPLATE
+        )
+        monkeypatch.setattr(api, "_pieces", fake)
+        asyncio.run(client.chat.completions.create(model="tiny", messages=ASK, **body))
+        spec = fake.seen[0][0].params.structured_outputs
+        return spec.reasoning if spec is not None else "unconstrained"
+
+    fmt = {"response_format": {"type": "json_object"}}
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert reasoning_of("qwen3", **fmt) == "open"  # the template opens the block
+    assert reasoning_of("qwen3", **fmt, extra_body=off) == "may_open"  # closed an empty one: the output may open one
+    assert reasoning_of("deepseek_r1", **fmt, extra_body=off) == "open"  # (R1's output always reasons first)
+    assert reasoning_of(None, **fmt) is None
+    assert reasoning_of("qwen3", tokenizer=tiny_tokenizer(), **fmt) is None  # no such tokens
+    assert reasoning_of("qwen3") == "unconstrained"
+    so = {"structured_outputs": {"choice": ["a", "b"]}}
+    assert reasoning_of("qwen3", extra_body=so) == "open"
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert reasoning_of("qwen3", tools=[WEATHER], tool_choice=named) == "open"
+    assert reasoning_of("qwen3", tools=[WEATHER], tool_choice="required", extra_body=off) == "may_open"
+    with pytest.raises(openai.BadRequestError, match='structured_outputs has field "reasoning"'):
+        reasoning_of("qwen3", extra_body={"structured_outputs": {"choice": ["a"], "reasoning": "open"}})

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+import time
+from concurrent.futures import Future
 
 import httpx
 import pytest
@@ -17,7 +20,14 @@ import xgrammar as xgr
 from minengine import LLM
 from minengine.models.tiny import EOS_ID, tiny_tokenizer
 from minengine.sampling_params import SamplingParams
-from minengine.structured import MAX_SCHEMA_DEPTH, MAX_SOURCE_CHARS, StructuredOutputs, apply_mask
+from minengine.structured import (
+    MAX_SCHEMA_DEPTH,
+    MAX_SOURCE_CHARS,
+    Matcher,
+    StructuredOutputs,
+    allowed_mask,
+    apply_mask,
+)
 
 SCHEMA = {
     "type": "object",
@@ -104,6 +114,7 @@ def _check_output(spec, follows, out) -> None:
         ),
         ({"json_object": True, "disable_any_whitespace": 1}, "disable_any_whitespace is 1; allowed: true or false"),
         ({"regex": "a" * (MAX_SOURCE_CHARS + 1)}, f"allowed: at most {MAX_SOURCE_CHARS}"),
+        ({"regex": "a", "reasoning": "closed"}, 'reasoning is \'closed\'; allowed: null, "open", "may_open"'),
     ],
 )
 def test_a_bad_constraint_is_a_value_error_naming_it(fields, message):
@@ -126,6 +137,50 @@ def test_the_mask_bans_exactly_the_tokens_whose_bits_are_0():
                     want[row, token] = float("-inf")
         apply_mask(logits, mask)
         assert torch.equal(logits.double(), want)
+
+
+def _allowed(mask: torch.Tensor | None, row: int, vocab: int = 260) -> set[int]:
+    if mask is None:
+        return set(range(vocab))
+    return {t for t in range(vocab) if (int(mask[row, t // 32]) >> (t % 32)) & 1}
+
+
+def test_after_reasoning_the_grammar_takes_the_tokens_after_the_end_tag():
+    """A matcher whose grammar starts after reasoning, against one that starts at the first token:
+    free while the output reasons, then the grammar's tokens; the open tag is allowed only as a
+    "may_open" output's first token. Tags at ids 63 and 95 (bit 31 of their words: the sign bit)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer().backend)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=260, stop_token_ids=[EOS_ID])
+    spec = StructuredOutputs(choice=["ab", "b"])
+    compiled = Future()
+    compiled.set_result(xgr.GrammarCompiler(info).compile_grammar(spec.source))
+    think = (63, 95)
+    grammar_first = {ord("a"), ord("b")}
+
+    def allowed(matcher, output):
+        return _allowed(allowed_mask([matcher, None], [output, [1, 2]], 260), 0)
+
+    may = Matcher(compiled, "may_open", think)
+    assert allowed(may, []) == grammar_first | {63} and may.start is None
+    assert allowed(may, [63]) == set(range(260))  # it opened a block: free
+    assert allowed(may, [63, 63, 7]) == set(range(260)) and may.start is None  # (a second <think> ends nothing)
+    assert allowed(may, [63, 63, 7, 95]) == grammar_first and may.start == 4
+    assert allowed(may, [63, 63, 7, 95, ord("a")]) == {ord("b")}
+    assert not may.terminated([63, 63, 7, 95, ord("a"), ord("b")])
+    assert may.terminated([63, 63, 7, 95, ord("a"), ord("b"), EOS_ID])
+
+    skipped = Matcher(compiled, "may_open", think)  # no block: the grammar took the first token
+    assert allowed(skipped, [ord("a")]) == {ord("b")} and skipped.start == 0
+    assert allowed(skipped, [ord("a"), ord("b")]) == {EOS_ID}  # <think> no more
+
+    opened = Matcher(compiled, "open", think)
+    assert allowed(opened, []) == set(range(260)) and allowed(opened, [95]) == grammar_first
+    assert opened.terminated([95, ord("b"), EOS_ID]) and not opened.broken
+
+    with pytest.raises(ValueError, match="needs the <think> and </think> token ids"):
+        Matcher(compiled, "open")
 
 
 # --- the engine ----------------------------------------------------------------------------------
@@ -198,6 +253,75 @@ def test_a_token_the_grammar_cannot_take_frees_the_request_with_a_warning(engine
     assert "output token 0 is not allowed by the grammar" in caplog.text
 
 
+@pytest.fixture(scope="module")
+def thinkers(tmp_path_factory):
+    """A model whose tokenizer has <think> and </think> as tokens, with overlap on and off."""
+    from checkpoints import build_checkpoint
+
+    path = build_checkpoint(tmp_path_factory.mktemp("thinker"), "qwen3", added_tokens=("<think>", "</think>"))
+    made = {overlap: LLM(str(path), disable_overlap_schedule=not overlap, max_running_requests=8) for overlap in (1, 0)}
+    yield made
+    for llm in made.values():
+        llm.shutdown()
+
+
+def test_a_grammar_after_reasoning_starts_after_the_end_tag(thinkers):
+    """The reasoning is free; the grammar takes the tokens after ``</think>``; a "may_open"
+    output's first token may be ``<think>``, else the grammar's. Biases make the model reason
+    (a random model never would); the same tokens with overlap on and off."""
+    tok = thinkers[1].engine.tokenizer
+    think, end = (tok.backend.token_to_id(t) for t in ("<think>", "</think>"))
+    choice = ["red", "green", "blue"]
+
+    def spec(reasoning):
+        return StructuredOutputs(choice=choice, reasoning=reasoning)
+
+    params = [
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs=spec("open"), logit_bias={end: 100}),
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs=spec("open")),  # reasons to the end
+        SamplingParams(max_tokens=20, temperature=0),
+        SamplingParams(
+            max_tokens=20, temperature=0, structured_outputs=spec("may_open"), logit_bias={think: 50, end: 100}
+        ),
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs=spec("may_open"), logit_bias={think: -100}),
+        SamplingParams(max_tokens=20, temperature=0, structured_outputs=spec(None)),
+    ]
+    sampled = [  # reasons for a few tokens, mostly
+        SamplingParams(max_tokens=20, temperature=1, seed=i, structured_outputs=spec("open"), logit_bias={end: 4})
+        for i in range(6)
+    ]
+    params += sampled
+    got = {
+        o: [r.outputs[0] for r in llm.generate(["hello"] * len(params), params, use_tqdm=False)]
+        for o, llm in thinkers.items()
+    }
+    assert [o.token_ids for o in got[1]] == [o.token_ids for o in got[0]]
+    closed, free, plain, opened, skipped, first, *sampled = got[1]
+    # "open": </think> first (biased), then one of the choices
+    assert closed.token_ids[0] == end and closed.text[len("</think>") :] in choice and closed.finish_reason == "stop"
+    # "open" without </think>: the reasoning runs to max_tokens, as a free request's output
+    assert end not in free.token_ids and free.token_ids == plain.token_ids and free.finish_reason == "length"
+    # "may_open": <think> first (allowed only there, and biased), </think>, then a choice
+    assert opened.token_ids[:2] == [think, end] and opened.text[len("<think></think>") :] in choice
+    # "may_open" with no block: the grammar from the first token, as without reasoning
+    assert skipped.token_ids == first.token_ids and first.text in choice and first.finish_reason == "stop"
+    # sampled: what follows the first </think> is a choice, however long the reasoning ran
+    reasoned = 0
+    for o in sampled:
+        if end in o.token_ids and o.finish_reason == "stop":
+            at = o.token_ids.index(end) + 1
+            assert tok.decode(o.token_ids[at:-1]) in choice, o.token_ids
+            reasoned += at > 1
+    assert reasoned >= 3
+
+
+def test_a_grammar_after_reasoning_needs_the_tags_as_tokens(engines):
+    spec = StructuredOutputs(choice=["a"], reasoning="open")
+    with pytest.raises(ValueError, match="reasoning is 'open'; it needs <think> and </think> as single tokens"):
+        engines[1].generate(["x"], SamplingParams(structured_outputs=spec), use_tqdm=False)
+    assert not engines[1].engine.has_unfinished()
+
+
 def test_a_deep_schema_within_the_bound_compiles():
     StructuredOutputs(json=_nested(MAX_SCHEMA_DEPTH - 1)).check()
 
@@ -222,6 +346,41 @@ def test_a_step_sampled_after_a_request_ended_makes_none_of_its_state_again(engi
         engine.step()
     assert [r.finish_reason for r in reqs] == ["stop", "stop"] and reqs[0].output_ids[:2] == [ord("a"), ord("b")]
     assert all(r.output_counts is None and r.prompt_seen is None and r.output_tail is None for r in reqs)
+
+
+def test_a_request_whose_grammar_compiles_is_held_back_not_waited_for(engines, monkeypatch):
+    """As vLLM: while a request's grammar compiles, its steps compute all but the token that
+    samples, and no step waits for the compilation: the other requests run on. Then it runs as a
+    request whose grammar was ready."""
+    spec = StructuredOutputs(choice=COLORS)
+    params = SamplingParams(max_tokens=10, temperature=0, structured_outputs=spec)
+    prompt = list(range(65, 105))
+    for llm in engines.values():
+        engine = llm.engine
+        (want,) = llm.generate([prompt], params, use_tqdm=False)  # (its grammar compiled, and cached)
+        gate, real = threading.Event(), engine.grammars.start
+
+        def gated(spec, real=real, gate=gate):
+            compiled, held = real(spec), Future()
+            # (released after 10 s anyway: a step that waited for it fails the test, not hang it)
+            threading.Thread(target=lambda: (gate.wait(10), held.set_result(compiled.result())), daemon=True).start()
+            return held
+
+        monkeypatch.setattr(engine.grammars, "start", gated)
+        held = engine.add_request(prompt, params)
+        free = engine.add_request([66, 67], SamplingParams(max_tokens=5, temperature=0))
+        while not free.finished:
+            engine.step()
+        start = time.perf_counter()
+        for _ in range(3):  # idle but for the held request: a pass waits a little for its grammar
+            assert engine.step() == []
+        assert time.perf_counter() - start >= 0.02
+        assert held.num_computed == len(prompt) - 1 and held.output_ids == [] and not held.finished
+        gate.set()
+        while engine.has_unfinished():
+            engine.step()
+        assert held.output_ids == want.outputs[0].token_ids and held.finish_reason == "stop"
+        monkeypatch.undo()
 
 
 def test_a_bad_constraint_is_refused_before_it_runs(engines):

@@ -6,6 +6,10 @@ it: preempts requests (preempt mode; one at a time, planning again after each), 
 prefix cache on demand) and returns the batch, prefill chunks first, then decodes. ``advance()``
 (at launch) and ``commit()`` (when the sampled tokens arrive) move each request on, cache
 completed chunks, and free or cache the pages of finished requests.
+
+A request whose grammar is still compiling (structured outputs) offers the policy all its pending
+tokens but the one that samples (``Request.num_schedulable``): it may be admitted and prefilled,
+and its sampling token runs once the grammar is ready, so no step waits for a compilation.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class Scheduler:
         waiting = [
             WaitingInfo(
                 w.rid,
-                len(w.token_ids) - len(matches[w.rid][0]) * self.page_size,
+                len(w.token_ids) - len(matches[w.rid][0]) * self.page_size - w.grammar_hold,
                 len(matches[w.rid][0]),
                 self._pages_to_pin(matches[w.rid][1]),
                 self.pages_for(w.max_len),
@@ -95,7 +99,7 @@ class Scheduler:
                     RunningInfo,
                     (
                         r.rid,
-                        r.num_pending,
+                        r.num_schedulable,
                         r.prefilling,
                         len(r.pages),
                         -(-r.max_len // ps),

@@ -30,7 +30,12 @@ from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
 from minengine.server.protocol import Bootstrap
-from minengine.server.reasoning import ReasoningStream, prompt_opens_reasoning, split_reasoning
+from minengine.server.reasoning import (
+    ReasoningStream,
+    grammar_after_reasoning,
+    prompt_opens_reasoning,
+    split_reasoning,
+)
 from minengine.server.tool_calls import (
     FORCED,
     PARSERS,
@@ -877,15 +882,18 @@ def build_app(state: ServerState) -> FastAPI:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             named = _named_function(req)  # (tool_parser checked it)
             params = sampling_params(req, max_tokens, field_name, logprobs, forced=forced_tool(req, named))
+            final = chat_messages([_message(req.messages[-1])])[0]["content"] if req.continue_final_message else None
+            opens = state.reasoning_parser is not None and prompt_opens_reasoning(text, final)
+            # (a prefill server's too: the first token it samples is the grammar's only after reasoning)
+            params = grammar_after_reasoning(params, state.reasoning_parser, opens, state.tokenizer)
             echoed = None if echo is None else [echo]
             choices = _choices(state, [prompt_ids], params, bootstrap, "messages", field_name, echoed)
             reasoning = state.reasoning_parser if state.mode != "prefill" else None
-            final = chat_messages([_message(req.messages[-1])])[0]["content"] if req.continue_final_message else None
             for c in choices:
                 c.tool_parser, c.max_tool_calls = parser, None if req.parallel_tool_calls else 1
                 c.tool_function = named.name if named is not None else None
                 c.reasoning_parser, c.include_reasoning = reasoning, req.include_reasoning
-                c.prompt_opens_reasoning = reasoning is not None and prompt_opens_reasoning(text, final)
+                c.prompt_opens_reasoning = reasoning is not None and opens
         return await _respond(state, raw, req, choices, chat=True, role=role)
 
     return app

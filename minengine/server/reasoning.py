@@ -17,7 +17,11 @@ split by feeding it at once (``split_reasoning``), so a stream and a whole answe
 
 from __future__ import annotations
 
+import dataclasses
+
+from minengine.sampling_params import SamplingParams
 from minengine.server.tool_calls import partial_tag
+from minengine.structured import think_ids
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
@@ -31,6 +35,20 @@ def prompt_opens_reasoning(prompt: str, final: str | None = None) -> bool:
     if prompt.rstrip().endswith(START):
         return True
     return final is not None and final.rfind(START) > final.rfind(END)
+
+
+def grammar_after_reasoning(params: SamplingParams, name: str | None, prompt_opens: bool, tokenizer) -> SamplingParams:
+    """``params`` whose structured outputs (if any) start after the output's reasoning, as vLLM
+    applies a grammar with a reasoning parser (``name``): after the ``</think>`` of an output that
+    reasons as this module reads it (deepseek_r1's always; qwen3's when the prompt opened the
+    block, ``prompt_opens``, or the output opens it with its first token). Unchanged without a
+    parser, or with a tokenizer whose tags are not single tokens (the grammar then starts at the
+    first token)."""
+    spec = params.structured_outputs
+    if spec is None or name is None or think_ids(tokenizer) is None:
+        return params
+    reasoning = "open" if name == "deepseek_r1" or prompt_opens else "may_open"
+    return dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, reasoning=reasoning))
 
 
 class ReasoningStream:
