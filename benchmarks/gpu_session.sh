@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh tests      # build minengine._C, kernel tests (triton + cuda), pytest -m gpu, memcheck
 #   bash benchmarks/gpu_session.sh kernels    # bench_attention (core + full grid, auto's tuning table), ncu
-#   bash benchmarks/gpu_session.sh engine     # bench_decode (roofline, idle), bench_offline, bench_host_step, bench_sampler, bench_frontend
+#   bash benchmarks/gpu_session.sh engine     # bench_decode (roofline, idle), bench_offline, bench_host_step, bench_sampler, bench_structured, bench_frontend
 #   bash benchmarks/gpu_session.sh serving [GROUP...]  # run_ablations.sh groups, default: backends overlap chunk delayer
 #   bash benchmarks/gpu_session.sh disagg     # bench_disagg.py (router, decode radix cache off/on)
 #
@@ -111,6 +111,7 @@ case $PHASE in
     step bench_offline python3 benchmarks/bench_offline.py --out "$WORK/results"
     step bench_host_step python3 benchmarks/bench_host_step.py --repeats 3 --out "$WORK/results"
     step bench_sampler python3 benchmarks/bench_sampler.py --out "$WORK/results"
+    step bench_structured python3 benchmarks/bench_structured.py --out "$WORK/results"
     step bench_frontend python3 benchmarks/bench_frontend.py --out "$WORK/results"  # CPU-bound: last
     ;;
   serving)

@@ -116,7 +116,7 @@ def check_prompt(
     bad_words_ids = params.bad_words_token_ids(tokenizer, vocab_size)
     if params.structured_outputs is not None:  # (its grammar parses: compiling it cannot fail later)
         params.structured_outputs.check()
-        check_reasoning(params.structured_outputs, tokenizer)
+        check_reasoning(params.structured_outputs, tokenizer, vocab_size)
     total = len(prompt_ids) + params.max_tokens
     for limit, what in ((context_length, "the context length"), (kv_capacity, "the KV cache capacity of")):
         if total > limit:
@@ -277,12 +277,13 @@ class Engine:
             generator=self.sampler.request_generator(params.seed) if params.seed is not None else None,
             detok=IncrementalDetokenizer.for_request(self.tokenizer, params, prompt_ids) if self.detokenize else None,
             bad_words_ids=bad_words_ids,
-            matcher=(
-                Matcher(self.grammars.start(spec), spec.reasoning, check_reasoning(spec, self.tokenizer))
-                if spec is not None
-                else None
-            ),
+            matcher=self._matcher(spec) if spec is not None else None,
         )
+
+    def _matcher(self, spec) -> Matcher:
+        """A request's matcher, its grammar compiling from now on (``spec`` checked)."""
+        think = check_reasoning(spec, self.tokenizer, self.model_config.vocab_size)
+        return Matcher(self.grammars.start(spec), spec.reasoning, think)
 
     def abort(self, req: Request) -> None:
         running = not req.finished
@@ -322,7 +323,7 @@ class Engine:
         if launched is not None and launched.unsampled is not None:
             self.runner.sample(launched)
         self._in_flight = launched
-        if launched is None and not done:
+        if not batch and not done:
             self._wait_for_grammars()
         return done
 
@@ -379,7 +380,7 @@ class Engine:
         reason = None
         if stop_token or (incremental and req.detok.stopped):
             reason = "stop"
-        elif req.matcher is not None and req.matcher.terminated(req.output_ids):
+        elif req.matcher is not None and token in self.eos_token_ids and req.matcher.terminated(req.output_ids):
             reason = "stop"  # the grammar is complete and took an end token (also with ignore_eos)
         elif len(req.token_ids) >= req.max_len:
             reason = "length"

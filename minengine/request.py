@@ -96,7 +96,7 @@ class Request:
     def grammar_hold(self) -> int:
         """1 while the grammar its next sampling needs is compiling (a step that sampled it would
         wait): the token that samples is held back; else 0."""
-        return int(self.matcher is not None and not self.matcher.ready())
+        return int(self.matcher is not None and not self.matcher.ready(self.output_ids, self.num_inflight > 0))
 
     @property
     def num_schedulable(self) -> int:

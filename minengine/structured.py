@@ -143,15 +143,18 @@ def think_ids(tokenizer) -> tuple[int, int] | None:
     return ids if None not in ids else None
 
 
-def check_reasoning(spec: StructuredOutputs, tokenizer) -> tuple[int, int] | None:
+def check_reasoning(spec: StructuredOutputs, tokenizer, vocab_size: int) -> tuple[int, int] | None:
     """``think_ids(tokenizer)`` for a ``spec`` that starts after reasoning (None for one that does
-    not); ValueError naming the field if the tokenizer has no such tags."""
+    not); ValueError naming the field if the tokenizer has no such tags, or the model's
+    vocabulary (``vocab_size``) not their ids."""
     if spec.reasoning is None:
         return None
     ids = think_ids(tokenizer)
+    what = f"structured_outputs reasoning is {spec.reasoning!r}; it needs <think> and </think> as single tokens"
     if ids is None:
-        why = f"structured_outputs reasoning is {spec.reasoning!r}; it needs <think> and </think> as single tokens"
-        raise ValueError(why + ", which the tokenizer does not have (allowed: null)")
+        raise ValueError(what + ", which the tokenizer does not have (allowed: null)")
+    if max(ids) >= vocab_size:
+        raise ValueError(what + f" of the model: their ids {ids} are outside its vocabulary [0, {vocab_size})")
     return ids
 
 
@@ -280,16 +283,13 @@ class Matcher:
                 return self.start
         return None
 
-    def ready(self) -> bool:
+    def ready(self, output_ids: list[int], in_flight: bool) -> bool:
         """Its next sampling will not wait for the compilation: the grammar is compiled (or failed),
-        or the output reasons (its next token is free, unless the token in flight ends the
-        reasoning; the sampling then waits)."""
-        return (
-            self._matcher is not None
-            or self.broken
-            or self.compiled.done()
-            or (self.start is None and self._reasoning == "open")
-        )
+        or the output reasons and that token is free (the output so far, ``output_ids``, is all
+        known: no token ``in_flight`` that may end the reasoning)."""
+        if self._matcher is not None or self.broken or self.compiled.done():
+            return True
+        return not in_flight and self._start(output_ids) is None
 
     def also_allowed(self, output_ids: list[int]) -> int | None:
         """A token the next one may be besides the grammar's: ``<think>``, as a "may_open"
@@ -319,25 +319,40 @@ class Matcher:
         return self._matcher
 
     def terminated(self, output_ids: list[int]) -> bool:
-        """The grammar is complete and an end token was taken: the output is done."""
+        """The grammar is complete and an end token was taken: the output is done. (Only an end
+        token completes a grammar: ``Engine.stop_reason`` asks only after one, so a token the
+        grammar decides while it compiles never waits for it here.)"""
         matcher = self.sync(output_ids)
         return matcher is not None and matcher.is_terminated()
 
 
 def allowed_mask(matchers: list[Matcher | None], outputs: list[list[int]], vocab_size: int) -> torch.Tensor | None:
     """[rows, ceil(V / 32)] int32 bitmask (host) of the tokens each row's grammar allows next
-    (all, for a row without one or whose output reasons); None if no row is constrained."""
-    mask = None
+    (all, for a row without one or whose output reasons); None if no row is constrained. The rows
+    are filled together, on xgrammar's threads (half the host's hardware threads)."""
+    rows, filling = [], []
     for row, (m, ids) in enumerate(zip(matchers, outputs, strict=True)):
         matcher = m.sync(ids) if m is not None else None
-        if matcher is None or matcher.is_terminated():
-            continue
-        if mask is None:
-            mask = xgrammar().allocate_token_bitmask(len(matchers), vocab_size)
-        matcher.fill_next_token_bitmask(mask, row)
-        if (token := m.also_allowed(ids)) is not None:
+        if matcher is not None and not matcher.is_terminated():
+            rows.append(row)
+            filling.append(matcher)
+    if not rows:
+        return None
+    xgr = xgrammar()
+    mask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    if len(rows) == 1:
+        filling[0].fill_next_token_bitmask(mask, rows[0])
+    else:
+        _batch_matcher().batch_fill_next_token_bitmask(filling, mask, rows)
+    for row in rows:
+        if (token := matchers[row].also_allowed(outputs[row])) is not None:
             mask[row, token // 32] |= _bit(token % 32)
     return mask
+
+
+@lru_cache(maxsize=1)
+def _batch_matcher():
+    return xgrammar().BatchGrammarMatcher()
 
 
 def _bit(j: int) -> int:

@@ -172,6 +172,19 @@ def test_bench_sampler_smoke(tmp_path):
     assert "| 4 | all three penalties |" in (tmp_path / "sampler_smoke.md").read_text()
 
 
+def test_bench_structured_smoke(tmp_path):
+    bench = load_bench("bench_structured")
+    report = bench.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)])
+    assert [(r["case"], r["rows"]) for r in report["rows"]] == [(c, n) for c in bench.CASES for n in (1, 3)]
+    assert report["vocab"] == 2000 and report["setup_ms"] > 0
+    assert all(r[k] > 0 for r in report["rows"] for k in ("compile_ms", "engine_us", "loop_us", "batch_us"))
+    assert "| choice (20) | 3 |" in (tmp_path / "structured_smoke.md").read_text()
+    # the synthetic vocabulary: bytes first, words after, the end token last, no token twice
+    vocab = bench.vocabulary(500)
+    assert len(vocab) == 500 and sorted(vocab.values()) == list(range(500)) and vocab[bench.EOS] == 499
+    assert "Ġself" in vocab and "self" in vocab
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_bench_decode_roofline_reads_only_the_batch_rows_of_an_untied_embedding(tied):
     bench = load_bench("bench_decode")

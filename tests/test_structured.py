@@ -25,8 +25,10 @@ from minengine.structured import (
     MAX_SOURCE_CHARS,
     Matcher,
     StructuredOutputs,
+    _compile,
     allowed_mask,
     apply_mask,
+    check_reasoning,
 )
 
 SCHEMA = {
@@ -62,19 +64,25 @@ def _follows_schema(value) -> bool:
     )
 
 
-def _matcher(spec: StructuredOutputs):
-    """A fresh matcher of ``spec`` for the tiny model, compiled apart from the engine's."""
+def _compiled_of(spec: StructuredOutputs):
+    """``spec`` compiled for the tiny model, apart from the engine's compiler."""
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer().backend)
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=260, stop_token_ids=[EOS_ID, 259])
-    compiler = xgr.GrammarCompiler(info)
-    kind, source, any_whitespace = spec.key
-    if kind == "json":
-        return xgr.GrammarMatcher(compiler.compile_json_schema(source, any_whitespace=any_whitespace))
-    if kind == "regex":
-        return xgr.GrammarMatcher(compiler.compile_regex(source))
-    return xgr.GrammarMatcher(compiler.compile_grammar(source))
+    return _compile(xgr.GrammarCompiler(info), spec.key)
+
+
+def _matcher(spec: StructuredOutputs):
+    """A fresh matcher of ``spec`` for the tiny model, compiled apart from the engine's."""
+    return xgr.GrammarMatcher(_compiled_of(spec))
+
+
+def _done(spec: StructuredOutputs) -> Future:
+    """``spec`` compiled, as ``Grammars.start`` gives it once done."""
+    future = Future()
+    future.set_result(_compiled_of(spec))
+    return future
 
 
 def _check_output(spec, follows, out) -> None:
@@ -149,13 +157,7 @@ def test_after_reasoning_the_grammar_takes_the_tokens_after_the_end_tag():
     """A matcher whose grammar starts after reasoning, against one that starts at the first token:
     free while the output reasons, then the grammar's tokens; the open tag is allowed only as a
     "may_open" output's first token. Tags at ids 63 and 95 (bit 31 of their words: the sign bit)."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer().backend)
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=260, stop_token_ids=[EOS_ID])
-    spec = StructuredOutputs(choice=["ab", "b"])
-    compiled = Future()
-    compiled.set_result(xgr.GrammarCompiler(info).compile_grammar(spec.source))
+    compiled = _done(StructuredOutputs(choice=["ab", "b"]))
     think = (63, 95)
     grammar_first = {ord("a"), ord("b")}
 
@@ -173,7 +175,7 @@ def test_after_reasoning_the_grammar_takes_the_tokens_after_the_end_tag():
 
     skipped = Matcher(compiled, "may_open", think)  # no block: the grammar took the first token
     assert allowed(skipped, [ord("a")]) == {ord("b")} and skipped.start == 0
-    assert allowed(skipped, [ord("a"), ord("b")]) == {EOS_ID}  # <think> no more
+    assert allowed(skipped, [ord("a"), ord("b")]) == {EOS_ID, 259}  # the end tokens; <think> no more
 
     opened = Matcher(compiled, "open", think)
     assert allowed(opened, []) == set(range(260)) and allowed(opened, [95]) == grammar_first
@@ -181,6 +183,28 @@ def test_after_reasoning_the_grammar_takes_the_tokens_after_the_end_tag():
 
     with pytest.raises(ValueError, match="needs the <think> and </think> token ids"):
         Matcher(compiled, "open")
+
+
+def test_the_rows_filled_together_equal_each_row_filled_alone():
+    """``allowed_mask`` fills its constrained rows in one xgrammar batch call (rows between them
+    free or reasoning); each row equals a matcher's own fill, the open tag's bit added."""
+    spec = StructuredOutputs(json=SCHEMA, disable_any_whitespace=True)
+    path = list(json.dumps({"unit": "c", "ok": True}).encode())  # (xgrammar: ", " and ": " without whitespace)
+    compiled = _done(spec)
+    think = (63, 95)
+    matchers = [Matcher(compiled), None, Matcher(compiled, "may_open", think), Matcher(compiled, "open", think)]
+    matchers += [Matcher(compiled) for _ in range(3)]
+    outputs = [path[:3], [5], [], [1, 2], path[:7], path[:1], path[: len(path)]]
+    mask = allowed_mask(matchers, outputs, 260)
+    for row, (m, out) in enumerate(zip(matchers, outputs, strict=True)):
+        if m is None or row == 3:  # free; reasoning
+            assert _allowed(mask, row) == set(range(260))
+            continue
+        ref = _matcher(spec)
+        assert all(ref.accept_token(t) for t in out)
+        alone = xgr.allocate_token_bitmask(1, 260)
+        ref.fill_next_token_bitmask(alone, 0)
+        assert _allowed(mask, row) == _allowed(alone, 0) | ({63} if row == 2 else set()), row
 
 
 # --- the engine ----------------------------------------------------------------------------------
@@ -315,11 +339,16 @@ def test_a_grammar_after_reasoning_starts_after_the_end_tag(thinkers):
     assert reasoned >= 3
 
 
-def test_a_grammar_after_reasoning_needs_the_tags_as_tokens(engines):
+def test_a_grammar_after_reasoning_needs_the_tags_as_tokens(engines, thinkers):
     spec = StructuredOutputs(choice=["a"], reasoning="open")
     with pytest.raises(ValueError, match="reasoning is 'open'; it needs <think> and </think> as single tokens"):
         engines[1].generate(["x"], SamplingParams(structured_outputs=spec), use_tqdm=False)
     assert not engines[1].engine.has_unfinished()
+    # tags the tokenizer has, past a model's vocabulary (added tokens a checkpoint's embedding lacks)
+    tok = thinkers[1].engine.tokenizer
+    assert check_reasoning(spec, tok, 402) == (400, 401)
+    with pytest.raises(ValueError, match=r"their ids \(400, 401\) are outside its vocabulary \[0, 401\)"):
+        check_reasoning(spec, tok, 401)
 
 
 def test_a_deep_schema_within_the_bound_compiles():
@@ -348,38 +377,78 @@ def test_a_step_sampled_after_a_request_ended_makes_none_of_its_state_again(engi
     assert all(r.output_counts is None and r.prompt_seen is None and r.output_tail is None for r in reqs)
 
 
-def test_a_request_whose_grammar_compiles_is_held_back_not_waited_for(engines, monkeypatch):
+def _gate_compiling(engine, monkeypatch) -> threading.Event:
+    """Make the grammars ``engine`` compiles from now on ready only once the returned event is set
+    (or after 10 s: a step that waits for one then fails its test instead of hanging it)."""
+    gate, real = threading.Event(), engine.grammars.start
+
+    def gated(spec):
+        compiled, held = real(spec), Future()
+        threading.Thread(target=lambda: (gate.wait(10), held.set_result(compiled.result())), daemon=True).start()
+        return held
+
+    monkeypatch.setattr(engine.grammars, "start", gated)
+    return gate
+
+
+@pytest.mark.parametrize("prompt_len", [40, 1])
+def test_a_request_whose_grammar_compiles_is_held_back_not_waited_for(engines, monkeypatch, prompt_len):
     """As vLLM: while a request's grammar compiles, its steps compute all but the token that
-    samples, and no step waits for the compilation: the other requests run on. Then it runs as a
-    request whose grammar was ready."""
+    samples (a request with nothing else to compute is not admitted: later ones pass it), and no
+    step waits for the compilation: the other requests run on, their prefill chunks too. Then it
+    runs as a request whose grammar was ready."""
     spec = StructuredOutputs(choice=COLORS)
     params = SamplingParams(max_tokens=10, temperature=0, structured_outputs=spec)
-    prompt = list(range(65, 105))
+    prompt = list(range(65, 65 + prompt_len))
     for llm in engines.values():
         engine = llm.engine
         (want,) = llm.generate([prompt], params, use_tqdm=False)  # (its grammar compiled, and cached)
-        gate, real = threading.Event(), engine.grammars.start
-
-        def gated(spec, real=real, gate=gate):
-            compiled, held = real(spec), Future()
-            # (released after 10 s anyway: a step that waited for it fails the test, not hang it)
-            threading.Thread(target=lambda: (gate.wait(10), held.set_result(compiled.result())), daemon=True).start()
-            return held
-
-        monkeypatch.setattr(engine.grammars, "start", gated)
+        gate = _gate_compiling(engine, monkeypatch)
+        waits = []
+        real_wait = engine._wait_for_grammars
+        monkeypatch.setattr(engine, "_wait_for_grammars", lambda w=waits, real=real_wait: (w.append(1), real()))
+        monkeypatch.setattr(engine.scheduler, "chunked_prefill_size", 16)  # the free one's prefill: chunks
         held = engine.add_request(prompt, params)
-        free = engine.add_request([66, 67], SamplingParams(max_tokens=5, temperature=0))
+        free = engine.add_request(list(range(66, 126)), SamplingParams(max_tokens=5, temperature=0))
+        start = time.perf_counter()
         while not free.finished:
             engine.step()
-        start = time.perf_counter()
+        assert time.perf_counter() - start < 5 and not waits  # no step waited, none slept
         for _ in range(3):  # idle but for the held request: a pass waits a little for its grammar
             assert engine.step() == []
-        assert time.perf_counter() - start >= 0.02
-        assert held.num_computed == len(prompt) - 1 and held.output_ids == [] and not held.finished
+        assert len(waits) == 3 and held.output_ids == [] and not held.finished
+        assert held.num_computed == len(prompt) - 1 and (held in engine.scheduler.waiting) == (prompt_len == 1)
         gate.set()
         while engine.has_unfinished():
             engine.step()
         assert held.output_ids == want.outputs[0].token_ids and held.finish_reason == "stop"
+        monkeypatch.undo()
+
+
+def test_a_request_that_reasons_is_held_only_once_its_grammar_is_next(thinkers, monkeypatch):
+    """While its grammar compiles, an output that reasons samples on (its tokens are free); once
+    its </think> is read, it is held until the grammar is ready; no step waits for it."""
+    tok = thinkers[1].engine.tokenizer
+    end = tok.backend.token_to_id("</think>")
+    spec = StructuredOutputs(choice=["red", "green"], reasoning="open")
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=spec, logit_bias={end: 3})
+    for llm in thinkers.values():
+        engine = llm.engine
+        (want,) = llm.generate(["hello"], params, use_tqdm=False)
+        at = want.outputs[0].token_ids.index(end)
+        assert at > 0  # it reasons first
+        gate = _gate_compiling(engine, monkeypatch)
+        held = engine.add_request(tok.encode("hello"), params)
+        free = engine.add_request(tok.encode("a free one"), SamplingParams(max_tokens=20, temperature=0))
+        start = time.perf_counter()
+        while not free.finished:
+            engine.step()
+        assert time.perf_counter() - start < 5
+        assert held.output_ids == want.outputs[0].token_ids[: at + 1] and not held.finished
+        gate.set()
+        while engine.has_unfinished():
+            engine.step()
+        assert held.output_ids == want.outputs[0].token_ids
         monkeypatch.undo()
 
 

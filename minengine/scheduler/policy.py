@@ -4,7 +4,8 @@ Each step has a token budget (``chunked_prefill_size``). Running requests go fir
 a decode takes 1 token, an unfinished prefill its next chunk. Then waiting requests are admitted
 in arrival order while the budget, ``max_running_requests`` and KV capacity allow, each taking
 ``min(remaining prompt, budget left, long_prefill_token_threshold)``. Admission stops at the
-first waiting request that does not fit (first come, first served). Pages held only by the
+first waiting request that does not fit (first come, first served); one with nothing it may
+compute yet (its last prompt token waits for its grammar) is passed over, as vLLM does. Pages held only by the
 prefix cache count as available: they are evicted on demand.
 
 KV capacity, two modes (``Budget.preempt``):
@@ -125,6 +126,8 @@ def build_schedule(running: list[RunningInfo], waiting: list[WaitingInfo], budge
     for w in waiting:
         if tokens_left == 0 or num_running >= budget.max_running or preempted:
             break
+        if w.num_pending == 0:  # nothing it may compute yet (its grammar compiles): the next ones pass it
+            continue
         n = _chunk(w.num_pending, tokens_left, budget.long_prefill_threshold)
         if budget.preempt:
             cached_tokens = w.cached_pages * ps

@@ -9,7 +9,8 @@ completed chunks, and free or cache the pages of finished requests.
 
 A request whose grammar is still compiling (structured outputs) offers the policy all its pending
 tokens but the one that samples (``Request.num_schedulable``): it may be admitted and prefilled,
-and its sampling token runs once the grammar is ready, so no step waits for a compilation.
+and its sampling token runs once the grammar is ready, so no step waits for a compilation. A
+waiting one with nothing else to compute is passed over (later requests are admitted first).
 """
 
 from __future__ import annotations
@@ -132,11 +133,16 @@ class Scheduler:
         if self.delayer is not None:
             plan = self._negotiate_prefill(plan, running, waiting, budget)
 
-        for rid, _ in plan.admitted:
+        admitted, passed = {rid for rid, _ in plan.admitted}, []
+        while admitted:  # in arrival order, among the first waiting requests (the candidates)
             req = self.waiting.popleft()
-            assert req.rid == rid, "the policy admits in arrival order"
-            self._admit(req, *matches[rid])
-            by_rid[rid] = req
+            if req.rid in admitted:
+                admitted.remove(req.rid)
+                self._admit(req, *matches[req.rid])
+                by_rid[req.rid] = req
+            else:
+                passed.append(req)  # passed over: it stays in its place
+        self.waiting.extendleft(reversed(passed))
         prefills, decodes = [], []
         for rid, n in (*plan.running, *plan.admitted):
             if n > 0:
