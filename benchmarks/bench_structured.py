@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sysconfig
@@ -237,8 +238,6 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
 
     def make() -> dict:
-        import os
-
         extra = {"vocab": vocab, "setup_ms": setup_ms, "cpu_threads": os.cpu_count()}
         return make_report(argv, "bench_structured", device, args, rows, **extra)
 
