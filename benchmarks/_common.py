@@ -6,7 +6,9 @@ import datetime as dt
 import json
 import platform
 import re
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -126,3 +128,21 @@ def require_positive(parser, args, *names: str) -> None:
         least = min(value) if isinstance(value, list) else value
         if least < 1:
             parser.error(f"--{name.replace('_', '-')} {least}; allowed: 1 or more")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` rounds of the ms per call of ``fn``."""
+    rounds = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        rounds.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(rounds)

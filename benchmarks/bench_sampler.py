@@ -14,12 +14,10 @@ the copy bandwidth measured in the same run, so 1.0 is a single memory-bound pas
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, publish, require_positive, save, stem
+from _common import RESULTS, header, publish, require_positive, save, stem, timed
 from _common import report as make_report
 
 from minengine.engine import resolve_device
@@ -60,24 +58,6 @@ def requests(n: int, params: SamplingParams, vocab: int) -> list[Request]:
         req.num_inflight = 1
         reqs.append(req)
     return reqs
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: torch.device, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` rounds of the ms per call of ``fn``."""
-    rounds = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync(device)
-        rounds.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(rounds)
 
 
 def copy_bandwidth(device: torch.device, calls: int, repeats: int) -> float:

@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, publish, require_positive, save, stem
+from _common import RESULTS, header, publish, require_positive, save, stem, timed
 from _common import report as make_report
 
 from minengine.engine import resolve_device
@@ -181,23 +181,15 @@ def measure(kind: str, rows: int, info, vocab: int, eos: int, device: torch.devi
     }
 
 
-def timed_apply(logits: torch.Tensor, mask: torch.Tensor, device: torch.device, calls: int = 20) -> float:
+def timed_apply(logits: torch.Tensor, mask: torch.Tensor, device: torch.device) -> float:
     """Median ms of copying the bitmask to ``device`` and applying it (as ``Sampler._adjust``)."""
 
     def once():
         on_device = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
         apply_mask(logits, on_device)
 
-    times = []
-    for _ in range(calls):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        once()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])
+    once()  # warm-up
+    return timed(once, device, calls=1, repeats=20)
 
 
 def markdown(report: dict) -> str:

@@ -24,7 +24,7 @@ from minengine.sampler import Sampler
 from minengine.sampling_params import SamplingParams
 from minengine.scheduler import Scheduler
 from minengine.scheduler.prefill_delayer import DelayerConfig, PrefillDelayer
-from minengine.structured import Grammars, Matcher, check_reasoning
+from minengine.structured import Grammars, Matcher, check_reasoning, think_ids
 from minengine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -281,8 +281,8 @@ class Engine:
         )
 
     def _matcher(self, spec) -> Matcher:
-        """A request's matcher, its grammar compiling from now on (``spec`` checked)."""
-        think = check_reasoning(spec, self.tokenizer, self.model_config.vocab_size)
+        """A request's matcher, its grammar compiling from now on (``spec`` checked: ``check_prompt``)."""
+        think = think_ids(self.tokenizer) if spec.reasoning is not None else None
         return Matcher(self.grammars.start(spec), spec.reasoning, think)
 
     def abort(self, req: Request) -> None:

@@ -100,7 +100,7 @@ class Scheduler:
                     RunningInfo,
                     (
                         r.rid,
-                        r.num_schedulable,
+                        r.num_pending if r.matcher is None else r.num_schedulable,  # (the common case: 1 call)
                         r.prefilling,
                         len(r.pages),
                         -(-r.max_len // ps),
