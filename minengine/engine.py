@@ -302,9 +302,10 @@ class Engine:
         device never waits for the host; what N finishes is dropped from N+1 when N+1 is read.
         Overlap off: launch and read in the same pass.
 
-        A step that samples a request with structured outputs while a step is in flight runs its
-        forward at once and samples after the step in flight is read: the request's grammar must
-        see that step's token first."""
+        A step that samples a request with structured outputs whose last token is in flight (step
+        N's) runs its forward at once and samples after N is read: the request's grammar must see
+        that token first. Not while the request's output reasons (``Matcher.waits``): its mask is
+        chosen on the device (``grammar_mask``), and overlap stays on."""
         with step_range("schedule"):
             batch = self.scheduler.schedule()
         launched = None
@@ -312,7 +313,10 @@ class Engine:
             with step_range("h2d"):
                 fb, samplers, prompt = self.runner.prepare(batch)
             self.scheduler.advance(batch)
-            wait = self._in_flight is not None and any(r.matcher is not None and not r.matcher.broken for r in samplers)
+            # (a request's unread token: the one in flight; ``num_inflight`` counts this step's too)
+            wait = self._in_flight is not None and any(
+                r.matcher is not None and r.matcher.waits(r.output_ids, r.num_inflight > 1) for r in samplers
+            )
             launched = self.runner.launch(fb, samplers, prompt, sample=not wait)
             launched.kv = [(req, req.num_computed) for req, _ in batch]
         if not self.overlap:

@@ -172,7 +172,7 @@ class ModelRunner:
         step.unsampled = None
         samplers = step.samplers
         with step_range("sampling"):
-            tokens = self.sampler(logits, samplers, greedy)
+            tokens = self.sampler(logits, samplers, greedy, self.token_buffer)
         self.token_buffer[sample_slots] = tokens
         asked = [i for i, req in enumerate(samplers) if req.params.logprobs is not None]
         if asked:

@@ -24,7 +24,7 @@ import torch
 
 from minengine.memory.kv_pool import to_device
 from minengine.request import Request
-from minengine.structured import allowed_mask, apply_mask
+from minengine.structured import apply_mask, grammar_mask
 
 
 class Sampler:
@@ -42,17 +42,26 @@ class Sampler:
         if req.generator is not None and not req.params.greedy:
             torch.empty(vocab_size, device=self.device).exponential_(generator=req.generator)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request], greedy: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        greedy: torch.Tensor | None = None,
+        token_buffer: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One token per row of ``logits`` [S, V] (float32), row i for ``reqs[i]``, on the device.
         ``greedy``: each row's argmax, already computed (a CUDA graph's); the rows of requests that
         do not decode greedily are overwritten in it (it is left alone when a row's logits are
-        adjusted: the argmax is taken again). Decisions use host values only, so sampling never
-        waits for the device."""
+        adjusted: the argmax is taken again). ``token_buffer``: each request's last sampled token,
+        at its slot (the engine's future map: the structured outputs of reasoning requests read
+        it). Decisions use host values only, so sampling never waits for the device."""
         adjusted = [i for i, r in enumerate(reqs) if r.params.adjusts_logits and _adjusts(r)]
         state = None
         if adjusted:  # new logits: the raw ones stay for logprobs (and a graph's buffer untouched)
             index = to_device(adjusted, torch.int64, logits.device)
-            rows_logits, state = self._adjust(logits.index_select(0, index), [reqs[i] for i in adjusted], adjusted)
+            rows_logits, state = self._adjust(
+                logits.index_select(0, index), [reqs[i] for i in adjusted], adjusted, token_buffer
+            )
             logits, greedy = logits.index_copy(0, index, rows_logits), None
         tokens = logits.argmax(-1) if greedy is None else greedy
         rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -69,15 +78,17 @@ class Sampler:
             self._record(tokens, state)
         return tokens
 
-    def _adjust(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> tuple[torch.Tensor, _State | None]:
+    def _adjust(
+        self, logits: torch.Tensor, reqs: list[Request], rows: list[int], token_buffer: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, _State | None]:
         """``logits`` [k, V] of ``reqs`` (a copy: changed in place), rows ``rows`` of the batch,
         adjusted for sampling; and the device state ``_record`` adds the sampled tokens to (None:
         no request keeps any)."""
         device, vocab = logits.device, logits.shape[-1]
         if any(req.matcher is not None for req in reqs):  # structured outputs: their grammars' tokens only
-            mask = allowed_mask([req.matcher for req in reqs], [req.output_ids for req in reqs], vocab)
+            mask = grammar_mask(reqs, vocab, device, token_buffer)
             if mask is not None:
-                apply_mask(logits, mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask)
+                apply_mask(logits, mask)
         limited = [j for j, req in enumerate(reqs) if req.params.allowed_token_ids is not None]
         if limited:  # every token but the allowed ones to -inf: one pass over those rows
             where = _indices([(j, t) for j in limited for t in reqs[j].params.allowed_token_ids], device)

@@ -16,8 +16,12 @@ How a request is constrained:
   the prefill server, is taken the same way) and fills the request's row of a bitmask of allowed
   tokens, which the sampler applies to the logits before its other adjustments.
 - With overlap scheduling, step N+1 is launched before step N's tokens are read. A step that
-  samples a constrained request therefore runs its forward at once but samples only after step N
-  is read (``Engine.step``): the device computes N+1's logits while the host reads N.
+  samples a constrained request with a token in N therefore runs its forward at once but samples
+  only after N is read (``Engine.step``): the device computes N+1's logits while the host reads N.
+  A request whose first token it samples has none in N, and one whose output still reasons needs
+  none read: its mask is all tokens, or the grammar's first mask if N's token is its
+  ``</think>``, which the device chooses (``grammar_mask``). So a batch with reasoning requests
+  keeps overlap on until their grammars start.
 - Once the grammar is complete it allows only the end-of-sequence tokens; the request stops when
   one is sampled, also with ``ignore_eos`` (``Engine.stop_reason``).
 - After reasoning (``StructuredOutputs.reasoning``, which the chat server sets with
@@ -35,6 +39,8 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+
+from minengine.memory.kv_pool import to_device_packed
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +268,7 @@ class Matcher:
         self._scanned = 0  # output tokens looked through for the </think> that ends the reasoning
         self.taken = 0  # output tokens from ``start`` on that the matcher took
         self.broken = False  # a token the grammar does not allow was output: no longer constrained
+        self._first: torch.Tensor | None = None  # the grammar's first mask, on the device (``first_mask``)
 
     def _start(self, output_ids: list[int]) -> int | None:
         """Where the grammar starts in the output: None while the output reasons (its next token is
@@ -291,6 +298,39 @@ class Matcher:
             return True
         return not in_flight and self._start(output_ids) is None
 
+    def waits(self, output_ids: list[int], unseen: bool) -> bool:
+        """Its next sampling needs the token in flight on the host (``unseen``: the output's last
+        token is sampled by the step in flight and not read yet; ``output_ids`` is the output
+        without it): its grammar has started, or may have (a "may_open" output's first token), or
+        still compiles. Not while the output reasons: the token in flight is then its ``</think>``,
+        and the next token takes the grammar's first mask, or it is not, and the next is free; the
+        device chooses (``grammar_mask``)."""
+        if not unseen or self.broken:
+            return False
+        return self._start(output_ids) is not None or not self.compiled.done()
+
+    def reasons(self, output_ids: list[int]) -> bool:
+        """The output (``output_ids``: all of it that is known) reasons: its next token is free,
+        unless the one in flight ends the reasoning."""
+        return not self.broken and self._start(output_ids) is None
+
+    def first_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+        """The tokens its grammar allows first: [ceil(V / 32)] int32 on ``device`` (made once);
+        None if the grammar failed to compile (the request goes on unconstrained). Waits for the
+        compilation."""
+        if self._first is None or self._first.device != device:
+            if (matcher := self._grammar()) is None:  # (a reasoning output's: it took no token yet)
+                return None
+            mask = xgrammar().allocate_token_bitmask(1, vocab_size)
+            matcher.fill_next_token_bitmask(mask, 0)
+            self._first = mask[0].to(device)
+        return self._first
+
+    @property
+    def end_id(self) -> int | None:
+        """The ``</think>`` id that ends the reasoning (None: the grammar starts at the first token)."""
+        return None if self._think is None else self._think[1]
+
     def also_allowed(self, output_ids: list[int]) -> int | None:
         """A token the next one may be besides the grammar's: ``<think>``, as a "may_open"
         output's first token."""
@@ -301,15 +341,8 @@ class Matcher:
         compilation); None while the output reasons, and once it has left the grammar (a token it
         does not allow was forced: the request then goes on unconstrained, with a warning; as when
         its grammar failed to compile)."""
-        if self.broken or (start := self._start(output_ids)) is None:
+        if self.broken or (start := self._start(output_ids)) is None or self._grammar() is None:
             return None
-        if self._matcher is None:
-            try:
-                self._matcher = xgrammar().GrammarMatcher(self.compiled.result())
-            except Exception:  # (checked when the request came: not expected; the engine goes on)
-                logger.exception("structured outputs: the grammar did not compile; the request goes on without it")
-                self.broken = True
-                return None
         for token in output_ids[start + self.taken :]:
             if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 logger.warning("structured outputs: output token %d is not allowed by the grammar", token)
@@ -317,6 +350,17 @@ class Matcher:
                 return None
             self.taken += 1
         return self._matcher
+
+    def _grammar(self) -> Any | None:
+        """Its xgrammar matcher, made at the first call (waits for the compilation); None, and
+        ``broken``, if the grammar failed to compile."""
+        if self._matcher is None and not self.broken:
+            try:
+                self._matcher = xgrammar().GrammarMatcher(self.compiled.result())
+            except Exception:  # (checked when the request came: not expected; the engine goes on)
+                logger.exception("structured outputs: the grammar did not compile; the request goes on without it")
+                self.broken = True
+        return None if self.broken else self._matcher
 
     def terminated(self, output_ids: list[int]) -> bool:
         """The grammar is complete and an end token was taken: the output is done. (Only an end
@@ -347,6 +391,44 @@ def allowed_mask(matchers: list[Matcher | None], outputs: list[list[int]], vocab
     for row in rows:
         if (token := matchers[row].also_allowed(outputs[row])) is not None:
             mask[row, token // 32] |= _bit(token % 32)
+    return mask
+
+
+def grammar_mask(
+    reqs: list, vocab_size: int, device: torch.device, token_buffer: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The bitmask of the tokens each request's grammar allows next, on ``device``:
+    [rows, ceil(V / 32)] int32, row i for ``reqs[i]`` (as ``allowed_mask``); None if no row is
+    constrained.
+
+    With overlap scheduling, a request whose output reasons samples with its last token in flight
+    (``Request.num_inflight`` counts it and the token being sampled; the step did not wait for it:
+    ``Matcher.waits``). Its row is then chosen on the device, where that token is
+    (``token_buffer`` at the request's slot): the grammar's first mask if it is ``</think>``, else
+    all tokens."""
+    matchers, outputs = [r.matcher for r in reqs], [r.output_ids for r in reqs]
+    mask = allowed_mask(matchers, outputs, vocab_size)
+    ends, firsts = [], []
+    for row, r in enumerate(reqs):
+        if r.matcher is None or r.num_inflight < 2 or not r.matcher.reasons(outputs[row]):
+            continue
+        if (first := r.matcher.first_mask(vocab_size, device)) is not None:
+            ends.append(row)
+            firsts.append(first)
+    if mask is None and not ends:
+        return None
+    if mask is None:
+        mask = torch.full((len(reqs), -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
+    elif device.type == "cuda":
+        mask = mask.pin_memory().to(device, non_blocking=True)
+    if ends:
+        if token_buffer is None:
+            raise RuntimeError("a reasoning request samples with its last token in flight: pass the token buffer")
+        rows, slots, closes = to_device_packed(
+            [ends, [reqs[i].slot for i in ends], [reqs[i].matcher.end_id for i in ends]], torch.int64, device
+        )
+        ended = (token_buffer[slots] == closes)[:, None]
+        mask.index_copy_(0, rows, torch.where(ended, torch.stack(firsts), mask.index_select(0, rows)))
     return mask
 
 

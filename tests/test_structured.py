@@ -11,6 +11,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -29,6 +30,7 @@ from minengine.structured import (
     allowed_mask,
     apply_mask,
     check_reasoning,
+    grammar_mask,
 )
 
 SCHEMA = {
@@ -205,6 +207,45 @@ def test_the_rows_filled_together_equal_each_row_filled_alone():
         alone = xgr.allocate_token_bitmask(1, 260)
         ref.fill_next_token_bitmask(alone, 0)
         assert _allowed(mask, row) == _allowed(alone, 0) | ({63} if row == 2 else set()), row
+
+
+def test_a_reasoning_row_with_its_token_in_flight_is_chosen_on_the_device():
+    """With overlap, a request that reasons samples before its last token is read: its row is the
+    grammar's first mask if that token (in the token buffer, at its slot) is </think>, else all
+    tokens. The other rows are the host's, as ``allowed_mask`` fills them."""
+    compiled = _done(StructuredOutputs(choice=["ab", "b"]))
+    think = (63, 95)
+    grammar_first = {ord("a"), ord("b")}
+
+    def req(matcher, output, inflight, slot):
+        return SimpleNamespace(matcher=matcher, output_ids=output, num_inflight=inflight, slot=slot)
+
+    buffer = torch.tensor([7, 0, 95, 95, 63])
+    reqs = [
+        req(Matcher(compiled, "open", think), [1, 2], 2, 3),  # in flight: </think>
+        req(Matcher(compiled, "open", think), [1], 2, 0),  # in flight: a free token
+        req(Matcher(compiled), [ord("a")], 1, 1),  # all read; the grammar's
+        req(None, [5], 2, 4),  # free
+        req(Matcher(compiled, "open", think), [1, 2], 1, 2),  # all read (the slot's token: a stale one)
+        req(Matcher(compiled, "open", think), [95], 1, 2),  # all read: the grammar started
+    ]
+    want = [grammar_first, set(range(260)), {ord("b")}, set(range(260)), set(range(260)), grammar_first]
+    mask = grammar_mask(reqs, 260, torch.device("cpu"), buffer)
+    assert [_allowed(mask, row) for row in range(len(reqs))] == want
+    # only rows in flight: a mask of all tokens, chosen from
+    mask = grammar_mask(reqs[1::-1], 260, torch.device("cpu"), buffer)
+    assert [_allowed(mask, row) for row in range(2)] == want[1::-1]
+    assert grammar_mask(reqs[3:5], 260, torch.device("cpu"), buffer) is None
+    with pytest.raises(RuntimeError, match="pass the token buffer"):
+        grammar_mask(reqs[:1], 260, torch.device("cpu"))
+
+    # which samplings wait for the token in flight: those whose grammar has started or may have,
+    # or still compiles
+    reasons = Matcher(compiled, "open", think)
+    assert not reasons.waits([1, 2], True) and reasons.waits([1, 2, 95], True) and not reasons.waits([1, 2, 95], False)
+    assert Matcher(compiled).waits([], True) and Matcher(compiled, "may_open", think).waits([], True)
+    assert Matcher(Future(), "open", think).waits([1], True)
+    assert not Matcher(compiled, "may_open", think).waits([63], True)
 
 
 # --- the engine ----------------------------------------------------------------------------------
@@ -450,6 +491,38 @@ def test_a_request_that_reasons_is_held_only_once_its_grammar_is_next(thinkers, 
             engine.step()
         assert held.output_ids == want.outputs[0].token_ids
         monkeypatch.undo()
+
+
+def test_overlap_stays_on_while_an_output_reasons(thinkers, monkeypatch):
+    """With overlap, a step samples before the step in flight is read while a constrained output
+    reasons (its mask is chosen on the device), the step whose token in flight is its </think>
+    too; only once the grammar has started does a step wait to sample. The same tokens as with
+    overlap off."""
+    tok = thinkers[1].engine.tokenizer
+    end = tok.backend.token_to_id("</think>")
+    spec = StructuredOutputs(choice=["red", "green"], reasoning="open")
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=spec, logit_bias={end: 3})
+    (want,) = thinkers[0].generate(["hello"], params, use_tqdm=False)
+    want = want.outputs[0].token_ids
+    at = want.index(end)
+    assert at > 0  # it reasons first
+    engine = thinkers[1].engine
+    req = engine.add_request(tok.encode("hello"), params)
+    free = engine.add_request(tok.encode("a free one"), SamplingParams(max_tokens=20, temperature=0))
+    launches, real = [], engine.runner.launch
+
+    def launch(fb, samplers, prompt=None, sample=True):
+        if req in samplers:  # (the output index of the token this step samples, and whether it waited)
+            launches.append((req.num_output_sampled - 1, sample, req.num_inflight > 1))
+        return real(fb, samplers, prompt, sample)
+
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    while engine.has_unfinished():
+        engine.step()
+    assert req.output_ids == want and free.finished
+    # tokens 1 to at + 1 sampled with the token before them in flight, without waiting; then waits
+    in_flight = [(i, sample) for i, sample, unread in launches if unread and i < len(want)]
+    assert in_flight == [(i, i <= at + 1) for i in range(1, len(want))]
 
 
 def test_a_bad_constraint_is_refused_before_it_runs(engines):
