@@ -21,6 +21,7 @@ from minengine.engine import Engine
 from minengine.models import load_tokenizer
 from minengine.server.protocol import AddRequest, Bootstrap, FailRoom
 from minengine.server.workers import free_port
+from minengine.structured import THINK_TAGS, StructuredOutputs
 
 PS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -277,6 +278,51 @@ def test_halves_with_different_prompts_fail_with_the_reason(pair):
     pd.run_until(pd.idle)
 
 
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A checkpoint whose tokenizer has <think> and </think> as tokens, and a single server of it."""
+    path = str(build_checkpoint(tmp_path_factory.mktemp("thinker") / "qwen3", "qwen3", added_tokens=THINK_TAGS))
+    llm = LLM(path, device="cpu", page_size=PS, disable_radix_cache=True)
+    yield path, llm
+    llm.shutdown()
+
+
+def test_a_grammar_runs_across_the_pair_and_both_must_start_it_alike(thinker):
+    """The prefill server samples the first token under the request's grammar, the decode
+    server's grammar takes it first: the outputs follow the grammar and equal a single server's,
+    also when the grammar starts after the reasoning and the first token is </think>. Servers
+    that start a grammar at different places (different --reasoning-parser) fail the request on
+    both, saying so, and hold nothing."""
+    path, llm = thinker
+    end = llm.engine.tokenizer.backend.token_to_id("</think>")
+    choice = ["red", "green"]
+    specs = [StructuredOutputs(choice=choice), StructuredOutputs(choice=choice, reasoning="open")]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0, structured_outputs=specs[0]),
+        SamplingParams(max_tokens=8, temperature=0, structured_outputs=specs[1], logit_bias={end: 100}),
+    ]
+    want = [o.outputs[0].token_ids for o in llm.generate([PROMPTS[3]] * 2, params, use_tqdm=False)]
+    assert want[1][0] == end
+    pd = Pair(path)
+    try:
+        for i, p in enumerate(params):
+            pd.submit(f"r{i}", PROMPTS[3], p)
+        pd.run_until(pd.done("d:r0", "d:r1", "p:r0", "p:r1"))
+        assert [pd.out[f"d:r{i}"]["tokens"] for i in range(2)] == want
+        assert [pd.out[f"d:r{i}"]["reason"] for i in range(2)] == ["stop", "stop"]
+        b = pd.submit("x", PROMPTS[3], params[1], to=("p",))
+        pd.submit("x", PROMPTS[3], replace(params[1], structured_outputs=specs[0]), to=("d",), room=b.room)
+        pd.run_until(pd.done("d:x", "p:x"))
+        for side in ("d", "p"):
+            assert pd.out[f"{side}:x"]["error"].endswith(
+                "the decode server starts the request's grammar at the first output token, the prefill server "
+                "after the reasoning: start both with the same --reasoning-parser"
+            )
+        pd.run_until(pd.idle)
+    finally:
+        pd.close()
+
+
 def test_requests_queued_outside_the_engine_count_as_waiting(pair):
     """The waiting gauge counts what the disaggregation queues hold: decode requests waiting for KV
     space or for their KV (as vLLM counts its requests waiting for remote KV), prefill requests
@@ -484,7 +530,7 @@ def test_a_lost_final_answer_is_asked_for_again(pair, reference, monkeypatch, lo
     # a room the prefill side never heard of is failed at once: nothing of it can be writing
     pd.p.xfer.answers.clear()
     r = pd.d.xfer.receiver("127.0.0.1", pd.port, 4242)
-    r.accepted, r.meta = True, ("meta", 4242, [], 0, "")
+    r.accepted, r.meta = True, ("meta", 4242, [], 0, "", "")
     # as ``init`` does: silence counts from now (waiting for idle above may take over a timeout)
     pd.d.xfer.conns[r.addr].last_heard = time.monotonic()
     pd.d.xfer._send(r.addr, ("status", 4242))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from minengine.disagg.transfer import DecodeTransfer, KVPoll, KVReceiver, KVSender, PrefillTransfer
+from minengine.disagg.transfer import DecodeTransfer, KVPoll, KVReceiver, KVSender, PrefillTransfer, grammar_start
 from minengine.engine import Engine
 from minengine.request import Request
 from minengine.server.protocol import AddRequest, FailRoom, TokenUpdate
@@ -57,7 +57,7 @@ class PrefillDriver:
     def add(self, msg: AddRequest) -> list[TokenUpdate]:
         room = msg.bootstrap.room
         try:
-            sender = self.xfer.sender(room, msg.prompt_ids)
+            sender = self.xfer.sender(room, msg.prompt_ids, grammar_start(msg.params))
         except ValueError as exc:
             return [_failed(msg.rid, str(exc))]
         try:
@@ -264,7 +264,10 @@ class DecodeDriver:
                 self.allocated.remove(entry)
                 prompt_pages = sched.pages_for(len(req.prompt_ids))
                 receiver.send_metadata(
-                    req.pages[req.cached_pages : prompt_pages], req.cached_pages * ps, req.prompt_ids
+                    req.pages[req.cached_pages : prompt_pages],
+                    req.cached_pages * ps,
+                    req.prompt_ids,
+                    grammar_start(req.params),
                 )
                 self.transfer[rid] = (req, receiver)
 

@@ -11,7 +11,7 @@ a schema on arrival (a malformed one is dropped, never executed or trusted):
 
     decode -> prefill   ("hello", agent, metadata, layout, backend)   on connecting, and on "who"
                         ("claim", room)   the decode half exists: wait for its metadata
-                        ("meta", room, dst_pages, decode_prefix_len, prompt_digest)
+                        ("meta", room, dst_pages, decode_prefix_len, prompt_digest, grammar_start)
                         ("abort", room), ("ping",)
                         ("status", room)  no word on an accepted room for a timeout: is it alive?
     prefill -> decode   ("accepted", room)  (also the answer to "status" while it runs)
@@ -160,10 +160,24 @@ def prompt_digest(prompt_ids: list[int]) -> str:
     return hashlib.blake2b(np.asarray(prompt_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
 
 
+def grammar_start(params) -> str:
+    """Where a request's grammar starts (``SamplingParams.structured_outputs``), in words ("" for
+    a request without one): the prefill server samples the first token under its grammar, so both
+    servers must start it at the same place (a server's ``--reasoning-parser`` decides it)."""
+    spec = params.structured_outputs
+    if spec is None:
+        return ""
+    return {
+        None: "at the first output token",
+        "open": "after the reasoning",
+        "may_open": "at the first output token, or after the reasoning if that is <think>",
+    }[spec.reasoning]
+
+
 _SCHEMA: dict[str, tuple] = {
     "hello": (str, bytes, KVLayout, str),  # agent name, NIXL agent metadata, pool layout, backend
     "claim": (int,),
-    "meta": (int, list, int, str),  # room, decode page ids, decode_prefix_len, prompt_digest
+    "meta": (int, list, int, str, str),  # room, decode page ids, decode_prefix_len, prompt_digest, grammar_start
     "abort": (int,),
     "ping": (),
     "status": (int,),
@@ -329,6 +343,7 @@ class KVSender:
         self.dst_pages: list[int] = []
         self.decode_prefix_len = 0
         self.prompt_digest = ""  # the prompt's (``prompt_digest``): the decode side's must be the same
+        self.grammar_start = ""  # where its grammar starts (``grammar_start``): the decode side's must be the same
         self.sent = 0  # pages sent so far (after the decode side's prefix)
         self.writes: list = []  # NIXL handles in flight (or stuck and not cancellable yet)
         self.num_writes = 0
@@ -339,9 +354,10 @@ class KVSender:
         self.last_progress = self.created
 
     # SGLang's names: init, send, poll, abort
-    def init(self, prompt_ids: list[int]) -> None:
+    def init(self, prompt_ids: list[int], grammar: str = "") -> None:
         self.num_prompt_pages = -(-len(prompt_ids) // self.mgr.layout.page_size)
         self.num_prompt_tokens, self.prompt_digest = len(prompt_ids), prompt_digest(prompt_ids)
+        self.grammar_start = grammar
 
     @property
     def start_page(self) -> int:
@@ -470,21 +486,23 @@ class PrefillTransfer:
         self.mover = make_mover(backend, kv, "prefill")
         self.peers: dict[bytes, _Peer] = {}
         self.senders: dict[int, KVSender] = {}
-        self.early: dict[int, tuple[bytes, list[int], int, str, float]] = {}  # metadata before the request
+        self.early: dict[int, tuple[bytes, list[int], int, str, str, float]] = {}  # metadata before the request
         # room -> (the decode server waiting to send its metadata, when it said so)
         self.claims: dict[int, tuple[bytes, float]] = {}
         self.dead_rooms: dict[int, tuple[str, float]] = {}  # failed or aborted before the metadata came
         self.answers: dict[int, tuple[bytes, tuple, float]] = {}  # room -> its final message, repeated on "status"
 
-    def sender(self, room: int, prompt_ids: list[int]) -> KVSender:
+    def sender(self, room: int, prompt_ids: list[int], grammar: str = "") -> KVSender:
+        """The sender of request ``room``; ``grammar``: where the grammar of its first token starts
+        (``grammar_start``)."""
         if room in self.senders:
             raise ValueError(f"bootstrap_room {room} is already in use on this prefill server")
         s = self.senders[room] = KVSender(self, room)
-        s.init(prompt_ids)
+        s.init(prompt_ids, grammar)
         if room in self.dead_rooms:
             s.fail(self.dead_rooms.pop(room)[0])
         elif room in self.early:
-            self._attach(s, *self.early.pop(room)[:4])
+            self._attach(s, *self.early.pop(room)[:-1])
         return s
 
     def reject(self, room: int, why: str) -> None:
@@ -574,7 +592,7 @@ class PrefillTransfer:
         elif kind == "status":
             self._status(peer, msg[1])
         elif kind == "meta":
-            _, room, dst_pages, decode_prefix_len, digest = msg
+            _, room, dst_pages, decode_prefix_len, digest, grammar = msg
             bad = [p for p in dst_pages if not (isinstance(p, int) and 0 <= p < self.peers[peer].layout.num_pages)]
             if bad:
                 self.send(peer, ("failed", room, f"page ids {bad[:4]} are outside the decode pool"))
@@ -583,9 +601,9 @@ class PrefillTransfer:
             elif room in self.dead_rooms:
                 self.send(peer, ("failed", room, self.dead_rooms.pop(room)[0]))
             elif room in self.senders:
-                self._attach(self.senders[room], peer, dst_pages, decode_prefix_len, digest)
+                self._attach(self.senders[room], peer, dst_pages, decode_prefix_len, digest, grammar)
             else:
-                self.early[room] = (peer, dst_pages, decode_prefix_len, digest, now)
+                self.early[room] = (peer, dst_pages, decode_prefix_len, digest, grammar, now)
         elif kind == "abort":
             room = msg[1]
             self.claims.pop(room, None)
@@ -611,7 +629,9 @@ class PrefillTransfer:
             why = self.dead_rooms.pop(room)[0] if room in self.dead_rooms else f"no request room {room} here"
             self.send(peer, ("failed", room, why))
 
-    def _attach(self, s: KVSender, peer: bytes, dst_pages: list[int], decode_prefix_len: int, digest: str) -> None:
+    def _attach(
+        self, s: KVSender, peer: bytes, dst_pages: list[int], decode_prefix_len: int, digest: str, grammar: str
+    ) -> None:
         if s.peer is not None:
             if s.peer == peer and s.dst_pages == list(dst_pages):
                 return  # the same metadata again (re-sent after a "who"): nothing new
@@ -626,6 +646,12 @@ class PrefillTransfer:
             s.fail(
                 f"the decode server's prompt differs from the prefill server's ({s.num_prompt_tokens} tokens here): "
                 "start both with the same model, tokenizer and --chat-template"
+            )
+            return
+        if grammar != s.grammar_start:  # (the first token, sampled here, must be what the decode side's grammar takes)
+            s.fail(
+                f"the decode server starts the request's grammar {grammar}, the prefill server "
+                f"{s.grammar_start}: start both with the same --reasoning-parser"
             )
             return
         if s.start_page + len(s.dst_pages) != s.num_prompt_pages:
@@ -677,12 +703,16 @@ class KVReceiver:
             self.mgr.conns[self.addr].last_heard = time.monotonic()  # silence counts from now, not from idle time
         self.mgr._send(self.addr, ("claim", self.room))
 
-    def send_metadata(self, page_indices: list[int], decode_prefix_len: int, prompt_ids: list[int]) -> None:
+    def send_metadata(
+        self, page_indices: list[int], decode_prefix_len: int, prompt_ids: list[int], grammar: str = ""
+    ) -> None:
         """Ask for the prompt pages after ``decode_prefix_len`` tokens, into ``page_indices``; the
-        prefill server checks that ``prompt_ids`` are the ones it computes."""
+        prefill server checks that ``prompt_ids`` are the ones it computes, and that it starts the
+        request's grammar where this server does (``grammar``: ``grammar_start``)."""
         self.meta_sent_at = time.monotonic()
         self.state = KVPoll.WaitingForInput
-        self.meta = ("meta", self.room, list(page_indices), decode_prefix_len, prompt_digest(prompt_ids))
+        digest = prompt_digest(prompt_ids)
+        self.meta = ("meta", self.room, list(page_indices), decode_prefix_len, digest, grammar)
         self.mgr._send(self.addr, self.meta)
 
     def poll(self) -> KVPoll:
