@@ -305,7 +305,7 @@ class Engine:
         A step that samples a request with structured outputs whose last token is in flight (step
         N's) runs its forward at once and samples after N is read: the request's grammar must see
         that token first. Not while the request's output reasons (``Matcher.waits``): its mask is
-        chosen on the device (``grammar_mask``), and overlap stays on."""
+        chosen on the device (``apply_grammars``), and overlap stays on."""
         with step_range("schedule"):
             batch = self.scheduler.schedule()
         launched = None

@@ -24,7 +24,7 @@ import torch
 
 from minengine.memory.kv_pool import to_device
 from minengine.request import Request
-from minengine.structured import apply_mask, grammar_mask
+from minengine.structured import apply_grammars
 
 
 class Sampler:
@@ -86,9 +86,7 @@ class Sampler:
         no request keeps any)."""
         device, vocab = logits.device, logits.shape[-1]
         if any(req.matcher is not None for req in reqs):  # structured outputs: their grammars' tokens only
-            mask = grammar_mask(reqs, vocab, device, token_buffer)
-            if mask is not None:
-                apply_mask(logits, mask)
+            apply_grammars(logits, reqs, token_buffer)
         limited = [j for j, req in enumerate(reqs) if req.params.allowed_token_ids is not None]
         if limited:  # every token but the allowed ones to -inf: one pass over those rows
             where = _indices([(j, t) for j in limited for t in reqs[j].params.allowed_token_ids], device)

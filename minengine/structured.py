@@ -20,8 +20,9 @@ How a request is constrained:
   only after N is read (``Engine.step``): the device computes N+1's logits while the host reads N.
   A request whose first token it samples has none in N, and one whose output still reasons needs
   none read: its mask is all tokens, or the grammar's first mask if N's token is its
-  ``</think>``, which the device chooses (``grammar_mask``). So a batch with reasoning requests
-  keeps overlap on until their grammars start.
+  ``</think>``, which the device chooses (``apply_grammars``). So a batch with reasoning requests
+  keeps overlap on until their grammars start (once compiled: while a grammar compiles, a request
+  that reasons samples every other step, ``Matcher.ready``).
 - Once the grammar is complete it allows only the end-of-sequence tokens; the request stops when
   one is sampled, also with ``ignore_eos`` (``Engine.stop_reason``).
 - After reasoning (``StructuredOutputs.reasoning``, which the chat server sets with
@@ -304,7 +305,7 @@ class Matcher:
         without it): its grammar has started, or may have (a "may_open" output's first token), or
         still compiles. Not while the output reasons: the token in flight is then its ``</think>``,
         and the next token takes the grammar's first mask, or it is not, and the next is free; the
-        device chooses (``grammar_mask``)."""
+        device chooses (``apply_grammars``)."""
         if not unseen or self.broken:
             return False
         return self._start(output_ids) is not None or not self.compiled.done()
@@ -323,7 +324,7 @@ class Matcher:
                 return None
             mask = xgrammar().allocate_token_bitmask(1, vocab_size)
             matcher.fill_next_token_bitmask(mask, 0)
-            self._first = mask[0].to(device)
+            self._first = mask[0].pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask[0]
         return self._first
 
     @property
@@ -394,42 +395,37 @@ def allowed_mask(matchers: list[Matcher | None], outputs: list[list[int]], vocab
     return mask
 
 
-def grammar_mask(
-    reqs: list, vocab_size: int, device: torch.device, token_buffer: torch.Tensor | None = None
-) -> torch.Tensor | None:
-    """The bitmask of the tokens each request's grammar allows next, on ``device``:
-    [rows, ceil(V / 32)] int32, row i for ``reqs[i]`` (as ``allowed_mask``); None if no row is
-    constrained.
+def apply_grammars(logits: torch.Tensor, reqs: list, token_buffer: torch.Tensor | None = None) -> None:
+    """Set ``logits`` [rows, V] (row i for ``reqs[i]``) to -inf where the request's grammar does
+    not allow the token next (the bitmask of ``allowed_mask``, filled on the host).
 
     With overlap scheduling, a request whose output reasons samples with its last token in flight
     (``Request.num_inflight`` counts it and the token being sampled; the step did not wait for it:
-    ``Matcher.waits``). Its row is then chosen on the device, where that token is
-    (``token_buffer`` at the request's slot): the grammar's first mask if it is ``</think>``, else
-    all tokens."""
-    matchers, outputs = [r.matcher for r in reqs], [r.output_ids for r in reqs]
-    mask = allowed_mask(matchers, outputs, vocab_size)
+    ``Matcher.waits``). Its row is then masked on the device, where that token is
+    (``token_buffer`` at the request's slot): by the grammar's first mask if it is ``</think>``,
+    else not at all."""
+    vocab, device = logits.shape[1], logits.device
+    outputs = [r.output_ids for r in reqs]
+    mask = allowed_mask([r.matcher for r in reqs], outputs, vocab)
+    if mask is not None:
+        apply_mask(logits, mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask)
     ends, firsts = [], []
     for row, r in enumerate(reqs):
         if r.matcher is None or r.num_inflight < 2 or not r.matcher.reasons(outputs[row]):
             continue
-        if (first := r.matcher.first_mask(vocab_size, device)) is not None:
+        if (first := r.matcher.first_mask(vocab, device)) is not None:
             ends.append(row)
             firsts.append(first)
-    if mask is None and not ends:
-        return None
-    if mask is None:
-        mask = torch.full((len(reqs), -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
-    elif device.type == "cuda":
-        mask = mask.pin_memory().to(device, non_blocking=True)
-    if ends:
+    if ends:  # (rows ``mask`` left free)
         if token_buffer is None:
             raise RuntimeError("a reasoning request samples with its last token in flight: pass the token buffer")
         rows, slots, closes = to_device_packed(
             [ends, [reqs[i].slot for i in ends], [reqs[i].matcher.end_id for i in ends]], torch.int64, device
         )
         ended = (token_buffer[slots] == closes)[:, None]
-        mask.index_copy_(0, rows, torch.where(ended, torch.stack(firsts), mask.index_select(0, rows)))
-    return mask
+        part = logits.index_select(0, rows)
+        apply_mask(part, torch.where(ended, torch.stack(firsts), -1))
+        logits.index_copy_(0, rows, part)
 
 
 @lru_cache(maxsize=1)

@@ -28,9 +28,9 @@ from minengine.structured import (
     StructuredOutputs,
     _compile,
     allowed_mask,
+    apply_grammars,
     apply_mask,
     check_reasoning,
-    grammar_mask,
 )
 
 SCHEMA = {
@@ -209,10 +209,11 @@ def test_the_rows_filled_together_equal_each_row_filled_alone():
         assert _allowed(mask, row) == _allowed(alone, 0) | ({63} if row == 2 else set()), row
 
 
-def test_a_reasoning_row_with_its_token_in_flight_is_chosen_on_the_device():
+def test_a_reasoning_row_with_its_token_in_flight_is_masked_on_the_device():
     """With overlap, a request that reasons samples before its last token is read: its row is the
     grammar's first mask if that token (in the token buffer, at its slot) is </think>, else all
-    tokens. The other rows are the host's, as ``allowed_mask`` fills them."""
+    tokens. The other rows are the host's, as ``allowed_mask`` fills them (``torch.isfinite``: what
+    is allowed)."""
     compiled = _done(StructuredOutputs(choice=["ab", "b"]))
     think = (63, 95)
     grammar_first = {ord("a"), ord("b")}
@@ -230,14 +231,16 @@ def test_a_reasoning_row_with_its_token_in_flight_is_chosen_on_the_device():
         req(Matcher(compiled, "open", think), [95], 1, 2),  # all read: the grammar started
     ]
     want = [grammar_first, set(range(260)), {ord("b")}, set(range(260)), set(range(260)), grammar_first]
-    mask = grammar_mask(reqs, 260, torch.device("cpu"), buffer)
-    assert [_allowed(mask, row) for row in range(len(reqs))] == want
-    # only rows in flight: a mask of all tokens, chosen from
-    mask = grammar_mask(reqs[1::-1], 260, torch.device("cpu"), buffer)
-    assert [_allowed(mask, row) for row in range(2)] == want[1::-1]
-    assert grammar_mask(reqs[3:5], 260, torch.device("cpu"), buffer) is None
+
+    def allowed(rows):
+        logits = torch.randn(len(rows), 260, dtype=torch.float64)
+        apply_grammars(logits, rows, buffer)
+        return [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+
+    assert allowed(reqs) == want
+    assert allowed(reqs[1::-1]) == want[1::-1]  # only rows in flight
     with pytest.raises(RuntimeError, match="pass the token buffer"):
-        grammar_mask(reqs[:1], 260, torch.device("cpu"))
+        apply_grammars(torch.zeros(1, 260), reqs[:1])
 
     # which samplings wait for the token in flight: those whose grammar has started or may have,
     # or still compiles
@@ -508,6 +511,7 @@ def test_overlap_stays_on_while_an_output_reasons(thinkers, monkeypatch):
     assert at > 0  # it reasons first
     engine = thinkers[1].engine
     req = engine.add_request(tok.encode("hello"), params)
+    req.matcher.compiled.result()  # (compiled: never held, whatever ran before)
     free = engine.add_request(tok.encode("a free one"), SamplingParams(max_tokens=20, temperature=0))
     launches, real = [], engine.runner.launch
 
@@ -523,6 +527,37 @@ def test_overlap_stays_on_while_an_output_reasons(thinkers, monkeypatch):
     # tokens 1 to at + 1 sampled with the token before them in flight, without waiting; then waits
     in_flight = [(i, sample) for i, sample, unread in launches if unread and i < len(want)]
     assert in_flight == [(i, i <= at + 1) for i in range(1, len(want))]
+
+
+def test_a_first_token_samples_at_launch_with_a_step_in_flight(engines, monkeypatch):
+    """With overlap, a constrained request that joins while a step runs samples its first token at
+    launch (it has no token in flight for its grammar to see); its next tokens wait for theirs."""
+    engine = engines[1].engine
+    spec = StructuredOutputs(choice=COLORS)
+    params = SamplingParams(max_tokens=10, temperature=0, structured_outputs=spec)
+    (want,) = engines[0].generate([[70, 71]], params, use_tqdm=False)
+    free = engine.add_request([66, 67], SamplingParams(max_tokens=30, temperature=0))
+    engine.step()
+    engine.step()
+    assert engine.in_flight_event() is None and engine._in_flight is not None  # (CPU: no event; a step in flight)
+    req = engine.add_request([70, 71], params)
+    req.matcher.compiled.result()
+    launches, real = [], engine.runner.launch
+
+    def launch(fb, samplers, prompt=None, sample=True):
+        if req in samplers:
+            launches.append(sample)
+        return real(fb, samplers, prompt, sample)
+
+    monkeypatch.setattr(engine.runner, "launch", launch)
+    try:
+        while not req.finished:
+            engine.step()
+        assert req.output_ids == want.outputs[0].token_ids and not free.finished
+        assert launches[0] and not any(launches[1:]) and len(launches) >= 3
+    finally:  # (the engine is the module's)
+        while engine.has_unfinished():
+            engine.step()
 
 
 def test_a_bad_constraint_is_refused_before_it_runs(engines):
