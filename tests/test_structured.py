@@ -321,6 +321,71 @@ def test_a_token_the_grammar_cannot_take_frees_the_request_with_a_warning(engine
     assert "output token 0 is not allowed by the grammar" in caplog.text
 
 
+def structured_outputs_run(tmp_path, **config) -> None:
+    """Constrained requests beside free ones, with overlap off and on (both with CUDA graphs where
+    the device has them): a choice, a regex and a JSON schema from the first token, and choices
+    after reasoning ("open", "may_open"; biased to reason a few tokens), greedy and seeded. Each
+    output follows its grammar, and the tokens are the same either way."""
+    from checkpoints import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "thinker", "qwen3", added_tokens=("<think>", "</think>"))
+    choice = ["red", "green", "blue"]
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    kinds = [
+        StructuredOutputs(choice=choice),
+        StructuredOutputs(regex="[a-e]{2,4}-[0-9]"),
+        StructuredOutputs(json=schema, disable_any_whitespace=True),
+        StructuredOutputs(choice=choice, reasoning="open"),
+        StructuredOutputs(choice=choice, reasoning="may_open"),
+        None,
+    ]
+    got = {}
+    for overlap in (0, 1):
+        llm = LLM(str(path), disable_overlap_schedule=not overlap, max_running_requests=16, **config)
+        try:
+            end = llm.engine.tokenizer.backend.token_to_id("</think>")
+            params = [
+                SamplingParams(
+                    max_tokens=24,
+                    temperature=i % 2,
+                    seed=i,
+                    structured_outputs=kinds[i % len(kinds)],
+                    logit_bias={end: 4} if i % len(kinds) in (3, 4) else None,
+                )
+                for i in range(2 * len(kinds) + 2)
+            ]
+            prompts = [f"hello {'x ' * (i % 5)}" for i in range(len(params))]
+            got[overlap] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            if config["device"] == "cuda":
+                assert llm.engine.runner.graphs is not None
+            decode = llm.engine.tokenizer.decode
+        finally:
+            llm.shutdown()
+    assert [o.token_ids for o in got[1]] == [o.token_ids for o in got[0]]
+    stopped = 0
+    for i, out in enumerate(got[1]):
+        spec = kinds[i % len(kinds)]
+        if spec is None or out.finish_reason != "stop":
+            continue
+        stopped += 1
+        ids = out.token_ids[:-1]  # (its end token)
+        if spec.reasoning is not None and end in ids:
+            ids = ids[ids.index(end) + 1 :]
+        text = decode(ids)
+        if spec.choice:
+            assert text in choice, (i, out.token_ids)
+        elif spec.regex:
+            assert re.fullmatch(spec.regex, text), (i, text)
+        else:
+            assert json.loads(text) in ({"ok": True}, {"ok": False}), (i, text)
+    assert stopped >= len(kinds)
+
+
+def test_the_gpu_test_of_structured_outputs_runs_on_cpu(tmp_path):
+    """``test_gpu_engine``'s structured outputs run, on CPU: it stays runnable between GPU sessions."""
+    structured_outputs_run(tmp_path, device="cpu", dtype="float32", attention_backend="torch")
+
+
 @pytest.fixture(scope="module")
 def thinkers(tmp_path_factory):
     """A model whose tokenizer has <think> and </think> as tokens, with overlap on and off."""
