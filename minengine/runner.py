@@ -191,12 +191,13 @@ class ModelRunner:
             step.logprobs = (asked, values, ids) if asked else None
             step.prompt_logprobs = None if scored is None else (prompt.spans, *scored)
             return
-        host = [_to_host(tokens)] + ([_to_host(values), _to_host(ids)] if asked else [])
+        # every copy to the host queued before the event that ``resolve`` waits for
+        host = [_to_host(x) for x in (tokens, *((values, ids) if asked else ()), *(scored or ()))]
         step.done = torch.cuda.Event()
         step.done.record()
         step.tokens = host[0]
         step.logprobs = (asked, host[1], host[2]) if asked else None
-        step.prompt_logprobs = None if scored is None else (prompt.spans, _to_host(scored[0]), _to_host(scored[1]))
+        step.prompt_logprobs = None if scored is None else (prompt.spans, host[-2], host[-1])
 
     @staticmethod
     def resolve(step: Launched) -> tuple[list[int], list[TokenLogprobs | None] | None]:

@@ -93,13 +93,13 @@ class Sampler:
             kept = logits[where]
             logits.index_fill_(0, to_device(limited, torch.int64, device), float("-inf"))
             logits.index_put_(where, kept)
-        cells, bias = [], []  # (row, token) pairs
+        cells, bias = [], []  # flat (row, token) cells: one per key, so none twice
         for j, req in enumerate(reqs):
             for token, b in (req.params.logit_bias or {}).items():
-                cells.append((j, token))
+                cells.append(j * vocab + token)
                 bias.append(b)
         if cells:
-            logits.index_put_(_indices(cells, device), to_device(bias, torch.float32, device), accumulate=True)
+            _add_at(logits, to_device(cells, torch.int64, device), to_device(bias, torch.float32, device))
         banned, tailed = [], []
         for j, req in enumerate(reqs):
             p = req.params
@@ -139,19 +139,19 @@ class Sampler:
             [plan.where + end for plan, end in zip(plans, ends, strict=True)]
             + [plan.expected for plan in plans]
             + [plan.word + first for plan, first in zip(plans, firsts, strict=True)]
-            + [np.repeat(np.asarray(rows, dtype=np.int64), [len(plan.last) for plan in plans])]
-            + [plan.last for plan in plans]
+            # each word's last token, as a flat cell of ``logits``
+            + [row * logits.shape[-1] + plan.last for row, plan in zip(rows, plans, strict=True)]
         )
         prefix, words = sum(len(plan.expected) for plan in plans), sum(len(plan.last) for plan in plans)
-        where, expected, word_of, end_rows, end_tokens = to_device(host, torch.int64, device).split(
-            [prefix, prefix, prefix, words, words]
+        where, expected, word_of, end_cells = to_device(host, torch.int64, device).split(
+            [prefix, prefix, prefix, words]
         )
         flat = torch.cat(tails)
         differ = torch.zeros(words, dtype=torch.int32, device=device)
         differ.index_add_(0, word_of, (flat[where] != expected).int())
         # added, so that two words ending in one token (one matched, one not) cannot undo each other
         ban = torch.where(differ == 0, float("-inf"), 0.0)
-        logits.index_put_((end_rows, end_tokens), ban, accumulate=True)
+        _add_at(logits, end_cells, ban)
         state.tails, state.flat_tails = tails, flat
 
     def _penalize(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], state: _State) -> torch.Tensor:
@@ -260,6 +260,13 @@ def _indices(cells: list[tuple[int, int]], device: torch.device) -> tuple[torch.
     """(row, token) pairs as ``index_put_``'s indices: the rows and the tokens, on the device."""
     where = to_device(itertools.chain.from_iterable(cells), torch.int64, device, count=2 * len(cells))
     return tuple(where.view(-1, 2).t())
+
+
+def _add_at(logits: torch.Tensor, cells: torch.Tensor, values: torch.Tensor) -> None:
+    """Add ``values`` to ``logits``' flat ``cells`` (``row * V + token``; a cell may repeat).
+    ``index_add_``, not ``index_put_(accumulate=True)``: on CUDA, torch versions that range-check
+    the latter's indices on the host (``max().item()``) would wait for the device each step."""
+    logits.view(-1).index_add_(0, cells, values)
 
 
 def _adjusts(req: Request) -> bool:

@@ -274,6 +274,57 @@ def test_prompt_logprobs_are_sliced_to_bound_the_logits_they_hold(monkeypatch):
         llm.shutdown()
 
 
+def test_a_step_queues_every_host_copy_before_the_event_its_reader_waits_for(monkeypatch):
+    """The CUDA path of ``ModelRunner.sample``, run on CPU with the device's type, copies and event
+    stood in for: the tokens', logprobs' and prompt logprobs' copies to the host all come before
+    the step's event (``resolve`` waits for it, then reads them all), and they carry the values
+    the CPU path gives."""
+    from minengine import runner as runner_module
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    llm = LLM("tiny", device="cpu", chunked_prefill_size=4)
+    try:
+        want = llm.generate(prompts, params, use_tqdm=False)
+        log = []
+
+        class Event:
+            def record(self):
+                log.append("event")
+
+            def synchronize(self):
+                assert log[-1] == "event"
+
+        def to_host(x):
+            log.append("copy")
+            return x.clone()
+
+        runner = llm.engine.runner
+        real_sample = runner.sample
+
+        def sample(step):
+            log.clear()
+            runner.device = SimpleNamespace(type="cuda")  # (only the branch taken reads it)
+            try:
+                real_sample(step)
+            finally:
+                runner.device = torch.device("cpu")
+            assert log[-1] == "event" and log.count("event") == 1, log
+            copies.append(log.count("copy"))
+
+        copies = []
+        monkeypatch.setattr(runner_module, "_to_host", to_host)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(runner, "sample", sample)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert 5 in copies  # a step with tokens, logprobs and prompt logprobs
+        for g, w in zip(got, want, strict=True):
+            assert g.prompt_logprobs == w.prompt_logprobs and g.outputs[0].logprobs == w.outputs[0].logprobs
+            assert g.token_ids == w.token_ids
+    finally:
+        llm.shutdown()
+
+
 def test_a_scheduler_process_sends_prompt_logprobs_with_the_first_token_and_keeps_none():
     from minengine.server.scheduler_process import engine_updates
 

@@ -263,6 +263,44 @@ def test_bad_word_ends_are_banned_on_the_device_step_by_step():
     assert reqs[2].output_tail is None and set(reqs[2].output_ids) <= {2, 5, 9}
 
 
+def test_sampling_with_every_adjustment_makes_no_op_that_waits_for_a_cuda_device():
+    """Every adjustment in one batch, its ops recorded: no op that reads a value back to the host
+    (``item``, ``nonzero``, a boolean mask), and no ``index_put_(accumulate=True)`` (whose indices
+    some torch versions range-check on the host on CUDA). CPU runs the same ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            self.seen.append(
+                (func.overloadpacket.__name__, kwargs.get("accumulate", args[3] if len(args) > 3 else None))
+            )
+            return func(*args, **kwargs)
+
+    sampler = Sampler(torch.device("cpu"), seed=0, eos_token_ids=frozenset({1}))
+    params = [
+        SamplingParams(temperature=0, logit_bias={3: 2.0, 7: -1.5}, min_tokens=2, stop_token_ids=[9]),
+        SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.2, presence_penalty=0.5, top_p=0.9, top_k=5),
+        SamplingParams(temperature=0, allowed_token_ids=[2, 5, 9]),
+        SamplingParams(temperature=0, bad_words=["(tokenized below)"]),
+        SamplingParams(temperature=0.5),
+    ]
+    reqs = [request([4, 7, 8], [2, 4], p) for p in params]
+    reqs[3].bad_words_ids = ((3,), (4, 5), (6, 4, 5))
+    for step in range(3):
+        with Ops() as ops:
+            tokens = sampler(torch.randn(len(reqs), 12), reqs)
+        names = {name for name, _ in ops.seen}
+        assert not names & {"_local_scalar_dense", "nonzero", "masked_select", "item"}, (step, names)
+        assert not [a for name, a in ops.seen if name in ("index_put", "index_put_") and a], step
+        for req, token in zip(reqs, tokens.tolist(), strict=True):
+            req.token_ids.append(token)
+
+
 def test_counts_start_from_the_output_a_decode_server_was_handed():
     """A disaggregated decode server's first token came from the prefill server: counted too."""
     p = SamplingParams(temperature=0, frequency_penalty=2.0)
