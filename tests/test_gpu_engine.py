@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -83,3 +84,25 @@ def test_structured_outputs_with_overlap_and_cuda_graphs_on_gpu(tmp_path):
     from test_structured import structured_outputs_run
 
     structured_outputs_run(tmp_path, device="cuda", dtype="float32", attention_backend="triton", page_size=16)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_steps_make_no_synchronizing_cuda_call(backend):
+    """#5's rule that the scheduling path waits for no device (but the step in flight's event,
+    which torch's sync debug mode does not count): ``test_overlap``'s steps (graph replays,
+    sampling, logprobs, every logit adjustment, a grammar, joining prefills) with the mode set to
+    raise."""
+    if backend == "cuda":
+        pytest.importorskip("minengine._C")
+    pytest.importorskip("xgrammar")
+    from test_overlap import steps_without_host_reads
+
+    @contextlib.contextmanager
+    def sync_raises():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    steps_without_host_reads(sync_raises, device="cuda", attention_backend=backend)
