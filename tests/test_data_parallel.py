@@ -218,3 +218,30 @@ def test_gauges_a_worker_sent_before_the_others_were_ready_are_kept(tmp_path):
 
     text = asyncio.run(run())
     assert "minengine:kv_pages_total 160.0" in text, [line for line in text.splitlines() if "pages_total" in line]
+
+
+def test_cpu_workers_split_the_cores(monkeypatch):
+    """On CPU each of N workers takes 1/N of torch's threads (all of them each: 2 workers on 2
+    cores decoded several times slower than one); OMP_NUM_THREADS, when set, is left to rule."""
+    import torch
+
+    from minengine.config import EngineConfig
+    from minengine.server.scheduler_process import _share_cores
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(4)
+        _share_cores(EngineConfig.from_kwargs(device="cpu", dp_size=1))
+        assert torch.get_num_threads() == 4
+        _share_cores(EngineConfig.from_kwargs(device="cpu", dp_size=3))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(4)
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        _share_cores(EngineConfig.from_kwargs(device="cpu", dp_size=2))
+        assert torch.get_num_threads() == 4
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        _share_cores(EngineConfig.from_kwargs(device="cpu", dp_size=2))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

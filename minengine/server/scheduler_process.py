@@ -26,7 +26,7 @@ import torch
 import zmq
 
 from minengine.config import EngineConfig
-from minengine.engine import Engine
+from minengine.engine import Engine, resolve_device
 from minengine.request import Request
 from minengine.scheduler.prefill_delayer import WorkerInfo
 from minengine.server.protocol import (
@@ -100,6 +100,14 @@ def _all_gather(info: WorkerInfo) -> list[WorkerInfo]:
     return [WorkerInfo(bool(t[0]), bool(t[1]), int(t[2]), int(t[3])) for t in everyone]
 
 
+def _share_cores(config: EngineConfig) -> None:
+    """On CPU, data-parallel workers split torch's threads (one per physical core by default)
+    between them: each taking them all, they contend for the cores (2 workers on 2 cores ran a
+    decode 6x slower than one). ``OMP_NUM_THREADS`` set by the user wins, as torch reads it."""
+    if config.dp_size > 1 and resolve_device(config.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.dp_size))
+
+
 def run_scheduler(
     config: EngineConfig,
     requests_addr: str,
@@ -126,6 +134,7 @@ def run_scheduler(
             gather = _all_gather
         if config.device != "cpu" and torch.cuda.is_available():
             torch.cuda.set_device(config.base_gpu_id + rank)
+        _share_cores(config)
         engine = Engine(config, detokenize=False, gather=gather)
         ready = Ready(engine.model_config.vocab_size, engine.context_length, engine.kv_capacity_tokens, rank)
         outbox.send_pyobj(ready)
