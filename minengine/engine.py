@@ -62,12 +62,17 @@ def generation_room(num_tokens: int, context_length: int, kv_capacity: int, subj
 
 
 def resolve_max_tokens(
-    prompt_ids: list[int], params: SamplingParams, context_length: int, kv_capacity: int
+    prompt_ids: list[int],
+    params: SamplingParams,
+    context_length: int,
+    kv_capacity: int,
+    subject: str = "the prompt takes",
 ) -> SamplingParams:
-    """``max_tokens=None`` as vLLM takes it: all the room the prompt leaves."""
+    """``max_tokens=None`` as vLLM takes it: all the room the prompt leaves (``generation_room``)."""
     if params.max_tokens is not None:
         return params
-    return dataclasses.replace(params, max_tokens=generation_room(len(prompt_ids), context_length, kv_capacity))
+    room = generation_room(len(prompt_ids), context_length, kv_capacity, subject)
+    return dataclasses.replace(params, max_tokens=room)
 
 
 def truncation(k: int | None, context_length: int) -> int | None:

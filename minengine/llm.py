@@ -110,7 +110,12 @@ class LLM:
             texts.append(text)
             salts.append(p.get("cache_salt") if isinstance(p, dict) else None)
             from_text.append(p_ids is None)
-            ids.append(self.tokenizer.encode(text) if p_ids is None else p_ids)
+            if p_ids is None:
+                try:
+                    p_ids = self.tokenizer.encode(text)
+                except ValueError as exc:  # (no valid Unicode)
+                    raise ValueError(f"prompt {i}: {exc}") from None
+            ids.append(p_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, list) else [sampling_params] * len(ids)

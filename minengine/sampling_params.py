@@ -203,8 +203,11 @@ class SamplingParams:
         tokenizations take more than ``MAX_BAD_WORD_TOKENS`` tokens together."""
         out: list[tuple[int, ...]] = []
         for word in self.bad_words or ():
-            alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            try:
+                alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+                spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            except ValueError as exc:  # (no valid Unicode)
+                raise ValueError(f"bad_words has {word!r:.80}: {exc}") from None
             if not alone or not spaced:
                 raise ValueError(f"bad_words has {word!r:.80}, which the tokenizer makes no tokens of")
             out.append(alone)

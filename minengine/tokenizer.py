@@ -64,7 +64,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, truncate_left: int | None = None) -> list[int]:
         """``truncate_left``: at most that many tokens, the last ones, as transformers truncates on
         the left (vLLM's ``truncate_prompt_tokens``): the text's tokens are cut first, then the
-        special tokens (a BOS) are added, so they stay."""
+        special tokens (a BOS) are added, so they stay. ValueError for a text that is no valid
+        Unicode (an unpaired surrogate)."""
+        if isinstance(text, str) and not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                at = exc.start
+                raise ValueError(
+                    f"{text[at]!r} at character {at} is an unpaired surrogate; allowed: valid Unicode text"
+                ) from None
         if truncate_left is None:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         encoding = self.backend.encode(text, add_special_tokens=False)

@@ -61,6 +61,9 @@ def test_prompt_forms_and_order(llm):
         ([], GREEDY, "empty"),
         ([1, 999], GREEDY, r"token id 999 is outside the vocabulary \[0, 260\)"),
         ([1] * 4000, SamplingParams(max_tokens=200), r"\(4000 tokens\) \+ max_tokens \(200\) = 4200 exceeds"),
+        # no valid Unicode (the tokenizer raised its TypeError "TextInputSequence must be str")
+        ("a \ud800", GREEDY, r"prompt 1: '\\ud800' at character 2 is an unpaired surrogate; allowed: valid Unicode"),
+        ("ok", SamplingParams(bad_words=["x\udfff"]), r"prompt \d: bad_words has 'x\\udfff': '\\udfff' at character 1"),
     ],
 )
 def test_bad_requests_are_rejected_before_anything_runs(llm, prompt, params, message):

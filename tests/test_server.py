@@ -187,8 +187,9 @@ BAD = [
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "top_k": -5}, "top_k"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": ""}, "prompt"),
+    ({"prompt": "", "add_special_tokens": False}, "prompt"),  # no tokens ("" alone runs as its BOS)
     ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
     ({"prompt": [5, 999999]}, "prompt"),
     ({"prompt": [5] * 4000, "max_tokens": 200}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -547,12 +548,25 @@ def test_a_stop_token_is_not_in_the_text(client):
 
 
 def test_chat_without_max_tokens_fits_a_kv_pool_smaller_than_the_context():
-    """max_tokens defaults to all the room left: the context or, when smaller, the KV pool."""
+    """max_tokens defaults to all the room left: the context or, when smaller, the KV pool. As
+    vLLM: in chat when left out or null; in completions when null (left out: 16), each prompt's own."""
     proc, url = start_server("--page-size", "4", "--max-total-tokens", "512")
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
+        body = {"prompt": [[5] * 480, [6] * 500], "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body | {"max_tokens": None}, timeout=120)
+        assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 2
+        assert r.json()["usage"]["completion_tokens"] == 32 + 12
+        r = httpx.post(url + "/v1/completions", json=body | {"prompt": [5] * 480}, timeout=120)
+        assert r.json()["usage"]["completion_tokens"] == 16  # left out
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 512, "max_tokens": None})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        message = r.json()["error"]["message"]
+        assert message.startswith("the prompt takes 512 tokens, leaving no room to generate; allowed: at most 511")
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 600}]})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("the messages take")
     finally:
         stop_server(proc)
 
@@ -573,6 +587,8 @@ def test_malformed_json_unknown_model_and_chat_errors(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
+    r = httpx.post(server + "/v1/completions", json={"prompt": "x", "best_of": 2})
+    assert r.json()["error"]["message"] == "best_of is 2; minengine does not support it (allowed: 1)"
     assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=2).choices
 
 
@@ -733,7 +749,7 @@ BOOT = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 9000, "bootstrap_room": 
         ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ("completions", {"prompt": "x", "prompt_logprobs": 0}, "prompt_logprobs"),
         ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "logprobs"),
-        ("completions", {"prompt": "", "max_tokens": 2}, "prompt"),
+        ("completions", {"prompt": "", "add_special_tokens": False, "max_tokens": 2}, "prompt"),
         ("completions", {"prompt": "x" * 5000, "max_tokens": 2}, "prompt"),
         ("completions", {"prompt": "x", "model": "other"}, "model"),
         ("chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
@@ -959,18 +975,40 @@ def test_scheduler_tracebacks_stay_in_the_log():
 
 
 @pytest.mark.parametrize(
-    "raw",
+    ("raw", "param"),
     [
-        b'{"prompt": "hi", "temperature": "\\ud800"}',
-        b'{"prompt": "hi", "frequency_penalty": "\\ud800"}',
-        b'{"prompt": [1, "\\ud800"]}',
-        b'{"prompt": "hi", "stop": ["\\ud800", 1]}',
+        (b'{"prompt": "hi", "temperature": "\\ud800"}', "temperature"),
+        (b'{"prompt": "hi", "frequency_penalty": "\\ud800"}', "frequency_penalty"),
+        (b'{"prompt": [1, "\\ud800"]}', "prompt"),
+        (b'{"prompt": "hi", "stop": ["\\ud800", 1]}', "stop"),
+        # strings no step would fail on before its answer: it used to run, then fail to encode it
+        (b'{"prompt": "hi", "max_tokens": 2, "request_id": "\\ud800"}', "request_id"),
+        (b'{"prompt": "hi", "max_tokens": 2, "request_id": "\\ud800", "stream": true}', "request_id"),
+        (b'{"prompt": "hi", "bad_words": ["ok", "\\ud800"]}', "bad_words"),  # (the tokenizer's TypeError: a 500)
+        (b'{"prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
+        (b'{"prompt": "hi", "user": {"a": ["\\uDfFf\\ud800"]}}', "user"),  # (a field it ignores)
     ],
 )
-def test_a_lone_surrogate_quoted_in_an_error_is_a_json_400(server, raw):
+def test_a_lone_surrogate_is_a_json_400_naming_it(server, raw, param):
     r = httpx.post(server + "/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
-    assert "\\ud800" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert "\\ud800" in error["message"] or "\\udfff" in error["message"]
+    assert "unpaired surrogate" in error["message"] and error["param"] == param
+
+
+def test_a_surrogate_pair_is_text_and_an_empty_prompt_is_its_bos(server):
+    """A pair of surrogate escapes is one character (JSON's way to write one past U+FFFF); a lone
+    one is a 400 that names where it is. "" runs as vLLM runs it: the tokenizer's BOS alone."""
+    body = b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1, "echo": true}'
+    r = httpx.post(server + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("\U0001f600"), r.text
+    body = b'{"messages": [{"role": "user", "content": "a \\ud83d b"}]}'
+    r = httpx.post(server + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    message = r.json()["error"]["message"]
+    assert message.startswith('messages.0.content is "a \\ud83d b": an unpaired surrogate') and "character 2" in message
+    r = httpx.post(server + "/v1/completions", json={"prompt": "", "max_tokens": 2, "return_token_ids": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["prompt_token_ids"] == [256]
 
 
 def test_request_ids_and_head_health_as_vllm(server):

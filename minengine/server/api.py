@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minengine import __version__
 from minengine import logprobs as logprob_format
-from minengine.engine import check_prompt, generation_room, truncation
+from minengine.engine import check_prompt, resolve_max_tokens, truncation
 from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
@@ -94,15 +94,20 @@ def error_response(
 
 class _NullIsDefault(BaseModel):
     """``null`` for a field that has a default means that default, as the OpenAI API and vLLM
-    read it (the openai SDK sends ``temperature=None`` as ``null``)."""
+    read it (the openai SDK sends ``temperature=None`` as ``null``); but for the fields in
+    ``_null_kept``, where vLLM reads ``null`` as None."""
+
+    _null_kept: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        fields, kept = cls.model_fields, cls._null_kept
+        return {
+            k: v for k, v in data.items() if v is not None or k not in fields or k in kept or fields[k].is_required()
+        }
 
 
 class StreamOptions(BaseModel):
@@ -156,6 +161,9 @@ class _Sampling(_NullIsDefault):
 
 
 class CompletionRequest(_Sampling):
+    # as vLLM: 16 when left out, all the room the prompt leaves when null
+    _null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
+    max_tokens: int | None = 16
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
@@ -298,7 +306,45 @@ def load_json_object(body: bytes) -> dict:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body) and (found := _unpaired_surrogate(data)) is not None:
+        path, text, at = found
+        name = ".".join(map(str, path))
+        raise APIError(
+            400,
+            f"{name} is {_shown(text)}: an unpaired surrogate ({text[at]!r}) at character {at}; "
+            "allowed: valid Unicode text (a surrogate escape only in a pair)",
+            str(path[0]),
+        )
     return data
+
+
+# JSON's escape of a UTF-16 surrogate: the only way a body decoded as UTF-8 can hold one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _unpaired_surrogate(data: dict) -> tuple[tuple, str, int] | None:
+    """The first string of a parsed JSON object (a key or a value, depth first) that is not
+    valid Unicode (``"\\ud800"`` parses to an unpaired surrogate, which no tokenizer, template or
+    JSON encoder takes): its path, the string, and where the surrogate is."""
+    stack = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return path, value, exc.start
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                stack.append((path + (key,), item))
+                stack.append((path + (key,), key))  # (a key before its value)
+        elif isinstance(value, list):
+            stack.extend(
+                (path + (i,), item)
+                for i, item in reversed(list(enumerate(value)))
+                if isinstance(item, (str, dict, list))
+            )
+    return None
 
 
 async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
@@ -364,7 +410,7 @@ def _check_unsupported(req: _Sampling) -> None:
         off = (1, getattr(req, "n", 1)) if name == "best_of" else _UNSUPPORTED.get(name)
         if off is None or value is None or any(value == v and type(value) is type(v) for v in off):
             continue
-        allowed = " or ".join(json.dumps(v) for v in off) or "null"
+        allowed = " or ".join(dict.fromkeys(json.dumps(v) for v in off)) or "null"
         raise APIError(400, f"{name} is {_shown(value)}; minengine does not support it (allowed: {allowed})", name)
 
 
@@ -399,7 +445,7 @@ def sampling_params(
     structured = structured_for(req, forced)
     try:
         params = SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else 16,
+            max_tokens=max_tokens,  # (None: all the room each prompt leaves, ``_choices``)
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=req.top_k,
@@ -872,13 +918,6 @@ def build_app(state: ServerState) -> FastAPI:
             field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             bootstrap = bootstrap_of(state, req, 1)
-            if max_tokens is None and (ready := state.client.ready) is not None:  # as vLLM: all the room left
-                try:
-                    max_tokens = generation_room(
-                        len(prompt_ids), ready.context_length, ready.kv_capacity_tokens, "the messages take"
-                    )
-                except ValueError as exc:
-                    raise APIError(400, str(exc), "messages") from None
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             named = _named_function(req)  # (tool_parser checked it)
             params = sampling_params(req, max_tokens, field_name, logprobs, forced=forced_tool(req, named))
@@ -937,9 +976,7 @@ def _completion_prompts(
     if not prompt:
         raise APIError(400, "prompt is empty", "prompt")
     ids, texts = [], []
-    for p in prompt:
-        if isinstance(p, str) and not p:
-            raise APIError(400, "prompt is empty", "prompt")
+    for p in prompt:  # (as vLLM: "" runs when the tokenizer adds a BOS; no tokens at all: check_prompt's 400)
         if not isinstance(p, str):
             ids.append(list(p)[-keep:] if keep is not None else list(p))
             texts.append(None)
@@ -985,10 +1022,14 @@ def _choices(
             400, f"{len(prompts)} prompts x n {n} = {len(prompts) * n} sequences; allowed: at most {MAX_SEQUENCES}", "n"
         )
     ready = state.client.ready
-    # a prefill server computes the prompt and one token; the decode server holds the rest
-    checked = params.first_token_only() if state.mode == "prefill" else params
+    per_prompt = []
     for ids in prompts:
         try:
+            # as vLLM: max_tokens None (or left out in chat) is all the room the prompt leaves
+            subject = "the messages take" if prompt_field == "messages" else "the prompt takes"
+            p = resolve_max_tokens(ids, params, ready.context_length, ready.kv_capacity_tokens, subject)
+            # a prefill server computes the prompt and one token; the decode server holds the rest
+            checked = p.first_token_only() if state.mode == "prefill" else p
             check_prompt(
                 ids, checked, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens, state.tokenizer
             )
@@ -996,12 +1037,13 @@ def _choices(
             message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
             field_name = message.split(" ", 1)[0]
             raise APIError(400, message, field_name if field_name in _CHECKED_FIELDS else prompt_field) from None
+        per_prompt.append(p)
     choices = []
-    for i, ids in enumerate(prompts):
+    for i, (ids, p) in enumerate(zip(prompts, per_prompt, strict=True)):
         text = None
         if echo is not None:
             text = echo[i] if echo[i] is not None else state.tokenizer.decode(ids, skip_special_tokens=False)
-        for seq_params in params.per_sequence():
+        for seq_params in p.per_sequence():
             choices.append(Choice(len(choices), ids, seq_params, bootstrap, text))
     return choices
 
