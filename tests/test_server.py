@@ -561,6 +561,12 @@ def test_chat_without_max_tokens_fits_a_kv_pool_smaller_than_the_context():
         assert r.json()["usage"]["completion_tokens"] == 32 + 12
         r = httpx.post(url + "/v1/completions", json=body | {"prompt": [5] * 480}, timeout=120)
         assert r.json()["usage"]["completion_tokens"] == 16  # left out
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 480, "max_tokens": None, "min_tokens": 40})
+        error = r.json()["error"]
+        assert error["param"] == "min_tokens" and error["message"].endswith("[0, max_tokens] = [0, 32]")
+        chat = {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 600}
+        error = httpx.post(url + "/v1/chat/completions", json=chat).json()["error"]
+        assert error["param"] == "min_tokens" and "[0, max_tokens] = [0, " in error["message"]
         r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 512, "max_tokens": None})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         message = r.json()["error"]["message"]
@@ -987,6 +993,10 @@ def test_scheduler_tracebacks_stay_in_the_log():
         (b'{"prompt": "hi", "bad_words": ["ok", "\\ud800"]}', "bad_words"),  # (the tokenizer's TypeError: a 500)
         (b'{"prompt": "hi", "logit_bias": {"\\ud800": 1}}', "logit_bias"),
         (b'{"prompt": "hi", "user": {"a": ["\\uDfFf\\ud800"]}}', "user"),  # (a field it ignores)
+        (b'{"prompt": "hi", "max_tokens": 2, "\\ud800": 1}', "\\ud800"),  # a field's name: quoted too
+        # no escape: its UTF-8 bytes (json.loads decodes with surrogatepass), or a UTF-16 body
+        (b'{"prompt": "hi", "max_tokens": 2, "request_id": "\xed\xa0\x80"}', "request_id"),
+        ('{"prompt": "hi", "max_tokens": 2, "request_id": "\\ud800"}'.encode("utf-16"), "request_id"),
     ],
 )
 def test_a_lone_surrogate_is_a_json_400_naming_it(server, raw, param):

@@ -81,6 +81,8 @@ def error_response(
 ) -> JSONResponse:
     # a request's lone surrogate (valid JSON: "\\ud800") quoted back would make the body unencodable
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:  # (a field's own name may hold one)
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -306,7 +308,7 @@ def load_json_object(body: bytes) -> dict:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
-    if _SURROGATE_ESCAPE.search(body) and (found := _unpaired_surrogate(data)) is not None:
+    if _may_hold_a_surrogate(body) and (found := _unpaired_surrogate(data)) is not None:
         path, text, at = found
         name = ".".join(map(str, path))
         raise APIError(
@@ -318,32 +320,43 @@ def load_json_object(body: bytes) -> dict:
     return data
 
 
-# JSON's escape of a UTF-16 surrogate: the only way a body decoded as UTF-8 can hold one
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# a UTF-16 surrogate in a UTF-8 body: JSON's escape of one, or its bytes (json.loads decodes
+# with surrogatepass); bodies in UTF-16 or UTF-32 (json.loads detects them) are scanned whole
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _may_hold_a_surrogate(body: bytes) -> bool:
+    return json.detect_encoding(body) != "utf-8" or _SURROGATE.search(body) is not None
 
 
 def _unpaired_surrogate(data: dict) -> tuple[tuple, str, int] | None:
-    """The first string of a parsed JSON object (a key or a value, depth first) that is not
-    valid Unicode (``"\\ud800"`` parses to an unpaired surrogate, which no tokenizer, template or
-    JSON encoder takes): its path, the string, and where the surrogate is."""
-    stack = [((), data)]
+    """A string of a parsed JSON object (a key or a value) that is not valid Unicode
+    (``"\\ud800"`` parses to an unpaired surrogate, which no tokenizer, template or JSON encoder
+    takes): its path, the string, and where the surrogate is. One encode of the whole object
+    first (C speed); the walk, linear in the items (about 1 s a million), only when that fails."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return None
+    except (UnicodeEncodeError, RecursionError):  # (deeper than the encoder goes: the walk has no limit)
+        pass
+    stack = [(None, None, data)]  # (parent entry, key, container): a path is built only for the one found
     while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                return path, value, exc.start
-        elif isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                stack.append((path + (key,), item))
-                stack.append((path + (key,), key))  # (a key before its value)
-        elif isinstance(value, list):
-            stack.extend(
-                (path + (i,), item)
-                for i, item in reversed(list(enumerate(value)))
-                if isinstance(item, (str, dict, list))
-            )
+        entry = stack.pop()
+        container = entry[2]
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, item in items:
+            for text in (key, item) if isinstance(key, str) else (item,):
+                if isinstance(text, str) and not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError as exc:
+                        path = [key]
+                        while entry[0] is not None:
+                            path.append(entry[1])
+                            entry = entry[0]
+                        return tuple(reversed(path)), text, exc.start
+            if isinstance(item, (dict, list)):
+                stack.append((entry, key, item))
     return None
 
 
@@ -997,7 +1010,7 @@ def _encode(tokenizer: Tokenizer, text: str, field_name: str, **kwargs: Any) -> 
 
 
 # the sampling fields check_prompt names first in its message (the others are about the prompt)
-_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words")
+_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
 
 
 def _choices(
@@ -1035,6 +1048,7 @@ def _choices(
             )
         except ValueError as exc:
             message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
+            message = message.replace("max_tokens]", f"{max_field}]")  # (min_tokens over the room left)
             field_name = message.split(" ", 1)[0]
             raise APIError(400, message, field_name if field_name in _CHECKED_FIELDS else prompt_field) from None
         per_prompt.append(p)
