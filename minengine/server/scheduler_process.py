@@ -102,8 +102,8 @@ def _all_gather(info: WorkerInfo) -> list[WorkerInfo]:
 
 def _share_cores(config: EngineConfig) -> None:
     """On CPU, data-parallel workers split torch's threads (one per physical core by default)
-    between them: each taking them all, they contend for the cores (2 workers on 2 cores ran a
-    decode 6x slower than one). ``OMP_NUM_THREADS`` set by the user wins, as torch reads it."""
+    between them: each taking them all, they contend for the cores (2 workers on 2 cores decoded
+    4 x 300 tokens in 3.2-4.2 s, against 0.42 s split). ``OMP_NUM_THREADS`` set by the user wins."""
     if config.dp_size > 1 and resolve_device(config.device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, torch.get_num_threads() // config.dp_size))
 
