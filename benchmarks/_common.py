@@ -86,9 +86,19 @@ def command(argv: list[str] | None, script: str) -> str:
     return " ".join(["python", *sys.argv]) if argv is None else f"{script}.main({argv!r})"
 
 
+def _plain(value):
+    """A config value as JSON writes it: a path as its text, a set as a sorted list (the set of
+    FlashInfer baselines whose build failed crashed the first GPU run's report)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    return value
+
+
 def report(argv: list[str] | None, script: str, device: torch.device, args, rows: list[dict], **extra) -> dict:
     """The JSON skeleton every benchmark writes: command, date, device info, config, rows."""
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"}
+    config = {k: _plain(v) for k, v in vars(args).items() if k != "out"}
     return {
         "command": command(argv, script),
         "date": now(),

@@ -773,7 +773,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
             jit = warm()
             print(f"FlashInfer JIT builds: {jit}", flush=True)
             # a baseline that failed or was still compiling is left out: each try compiles for minutes
-            args.flashinfer_failed = {build_name(b) for b in builds} - set(jit["built"])
+            args.flashinfer_failed = sorted({build_name(b) for b in builds} - set(jit["built"]))
         stopped = "the ceilings"
         ceilings = measure_ceilings(device, bench, args.smoke)
         for case in selected:

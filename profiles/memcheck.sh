@@ -24,7 +24,9 @@ for backend in $backends; do
   compute-sanitizer --tool memcheck --error-exitcode 1 python3 profiles/mixed_batch.py --backend $backend --small
 done
 compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -x tests/test_cuda_kernels.py
-# the contract tests' triton and cuda params (cuda-emu skips on a GPU)
+# the contract tests' triton and cuda params (cuda-emu skips on a GPU), less the 64-bit offset test:
+# under memcheck its 9.2 GB of address space could not be allocated on an H100 (the test then skips,
+# and the failed cudaMalloc counts as the run's error); it runs unsanitized in gpu_session.sh tests
 compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 -m pytest -q -x tests/test_paged_attention.py tests/test_store_kv.py tests/test_gather_input_ids.py \
-  -k "triton or cuda"
+  -k "(triton or cuda) and not past_2_pow_31"

@@ -3,7 +3,8 @@
 # prefix + 63 decodes at 4k, bf16, 32/8/128, page 16), Triton and CUDA backends: DRAM throughput,
 # achieved occupancy, tensor-pipe utilization, top warp-stall reasons. Clocks left as they are.
 # On an sm_90 GPU also cuda-wgmma (the CUDA kernel's prefill tiles on wgmma).
-#   bash profiles/ncu_kernels.sh          -> profiles/out/ncu_<backend>.txt
+#   bash profiles/ncu_kernels.sh          -> profiles/out/ncu_<backend>.txt, and a row per kernel of
+#                                            each in profiles/out/ncu_summary.md (profiles/ncu_summary.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p profiles/out
@@ -25,3 +26,8 @@ for backend in $backends; do
       python3 profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt
   echo "wrote profiles/out/ncu_$backend.txt"
 done
+reports=""
+for backend in $backends; do reports="$reports profiles/out/ncu_$backend.txt"; done
+# shellcheck disable=SC2086
+python3 profiles/ncu_summary.py $reports > profiles/out/ncu_summary.md
+echo "wrote profiles/out/ncu_summary.md"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -152,6 +153,18 @@ def test_result_file_names_are_plain():
     for device, expected in names.items():
         assert stem("host_step", {"config": {}, "info": {"device": device}}) == expected
     assert stem("host_step", {"config": {"smoke": True}, "info": {"device": "x y"}}) == "host_step_smoke"
+
+
+def test_a_report_writes_any_config_value_as_json(tmp_path):
+    """A benchmark's flags land in its report's config: a path as text, a set (bench_attention's
+    FlashInfer baselines whose build failed, set only on a GPU) as a sorted list, not a TypeError
+    after the measurements."""
+    common = load_bench("_common")
+    args = argparse.Namespace(out=tmp_path, model=tmp_path / "m", flashinfer_failed={"b x", "a y"}, n=3)
+    report = common.report(None, "bench_x", torch.device("cpu"), args, [{"ms": 1.0}])
+    common.save(tmp_path, "x", report, "md")
+    saved = json.loads((tmp_path / "x.json").read_text())["config"]
+    assert saved == {"model": str(tmp_path / "m"), "flashinfer_failed": ["a y", "b x"], "n": 3}
 
 
 def test_bench_host_step_smoke(tmp_path):
