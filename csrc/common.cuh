@@ -85,6 +85,14 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int sr
 __device__ __forceinline__ void cp_async_commit() { emu::cp_async_commit(); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { emu::cp_async_wait(N); }
 
+// One V-sized global load and store; the GPU faults on a vector access not aligned to its size.
+template <typename V> __device__ __forceinline__ void copy_global(void* dst, const void* src) {
+  if (reinterpret_cast<uintptr_t>(dst) % sizeof(V) != 0 || reinterpret_cast<uintptr_t>(src) % sizeof(V) != 0) {
+    throw std::runtime_error("a " + std::to_string(sizeof(V)) + "-byte global access at a misaligned address");
+  }
+  std::memcpy(dst, src, sizeof(V));
+}
+
 template <typename T>
 __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
   emu::mma_m16n8k16<T>(d, a, b, d);
@@ -109,6 +117,10 @@ __device__ __forceinline__ void wgmma_m64k16(float d[N / 2], const uint32_t a[4]
 
 #define ME_DYNAMIC_SMEM(name) extern __shared__ __align__(16) char name[]
 #define ME_LAUNCH(kernel, grid, block, smem, stream, ...) (kernel)<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+
+template <typename V> __device__ __forceinline__ void copy_global(void* dst, const void* src) {
+  *reinterpret_cast<V*>(dst) = *reinterpret_cast<const V*>(src);
+}
 
 // Raises a kernel's dynamic shared-memory limit past the default 48 KB, once per (kernel, device).
 inline void set_max_dynamic_smem(const void* kernel, int bytes) {

@@ -64,6 +64,24 @@ def test_store_kv_from_views_of_a_merged_projection(device, kernels):
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "shift"), [(torch.bfloat16, 64, 1), (torch.float16, 36, 0), (torch.float32, 6, 0)]
+)
+def test_store_kv_rows_that_16_byte_pieces_cannot_copy(dtype, head_dim, shift, device, kernels):
+    """The CUDA kernel copies 16-byte pieces where every row start is 16-byte aligned; here k and v
+    start one element into their buffer, or the head dim is no multiple of 16 bytes: values
+    one by one, the same result."""
+    k, v, k_cache, v_cache, slots = make_case(dtype, 5, device, d=head_dim, hkv=3)
+    t, hkv, d = k.shape
+    buffer = torch.randn(2, t * hkv * d + shift, device=device).to(dtype)
+    k_view, v_view = (buffer[i, shift:].view(t, hkv, d) for i in range(2))
+    k_view.copy_(k), v_view.copy_(v)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k, v, k_ref, v_ref, slots)
+    kernels.store_kv(k_view, v_view, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
 def test_store_kv_all_padding_and_empty(device, kernels):
     k, v, k_cache, v_cache, slots = make_case(torch.float16, 4, device)
     before = k_cache.clone()
