@@ -15,9 +15,11 @@
 # step, so a phase cut short still returns what it finished, and logs/steps.txt says what ran, for
 # how long, and what was stopped or skipped.
 #
-# A session gets about 30 minutes of device time, start-up included: three phases at most. Order:
-# tests, kernels (the tuning table, FlashInfer ratios, targets), engine; serving and disagg in the
-# next session (`serving backends` first: our kernels against FlashInfer inside the engine).
+# A session gets about 30 minutes of device time, start-up included: three phases at most. The
+# first (an H100, 2026-11-23) ran tests (311 s), kernels (237 s, cut short by a bug since fixed) and
+# engine (541 s); a fresh machine started in under 30 s. Next: kernels (the grid and tuning table),
+# then within the machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is still
+# there), `serving overlap chunk delayer`, the rest of engine, disagg.
 # Carry the `base` wheels for tests (FlashInfer's tests then skip: its JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving.
 #

@@ -236,6 +236,34 @@ def test_bench_attention_full_grid_smoke(tmp_path):
     assert report["grid_left_out"] == []
 
 
+def test_bench_attention_writes_a_tuning_table_auto_reads(tmp_path, monkeypatch):
+    """--write-tuning's GPU-only path, which the first GPU run never reached: grid rows to the
+    device's table, read back by `auto`'s loader (a CUDA device stood in for on CPU)."""
+    from minengine.ops import tuning
+
+    bench = load_bench()
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path / "tuning")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    rows = []
+    for kind, fast in (("decode", "triton"), ("long-decode", "triton"), ("prefill", "cuda-wgmma")):
+        for backend, ms in (("triton", 1.0), ("cuda", 1.5), ("cuda-wgmma", 0.8 if fast == "cuda-wgmma" else 1.2)):
+            rows.append(dict(shape="llama3-8b", page=16, dtype="bfloat16", kind=kind, head_dim=128, backend=backend,
+                             ms=ms, rel_err_vs_triton=0.0))  # fmt: skip
+    rows.append(dict(rows[-1], backend="flashinfer", ms=0.1))  # not ours: never picked
+    report = {"command": "bench_attention", "date": "2026-11-23 11:07", "info": {"device": "NVIDIA H100 80GB HBM3"}}
+    path = bench.write_tuning(rows, report, torch.device("cuda"))
+    assert path == str(tmp_path / "tuning" / "nvidia-h100-80gb-hbm3.json")
+    tuning.load_table.cache_clear()
+    try:
+        table = tuning.load_table("NVIDIA H100 80GB HBM3")
+    finally:
+        tuning.load_table.cache_clear()
+    assert table == {"decode/bfloat16/128": "triton", "prefill/bfloat16/128": "cuda-wgmma"}
+    saved = json.loads(Path(path).read_text())
+    assert saved["device_name"] == "NVIDIA H100 80GB HBM3" and saved["info"] == report["info"]
+    assert saved["choices"]["decode/bfloat16/128"]["total_ms"] == {"triton": 2.0, "cuda": 3.0, "cuda-wgmma": 2.4}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
 def test_bench_attention_time_budget_leaves_configs_out(tmp_path):
     """A spent --time-budget starts no more grid configs, names them, and still writes the report."""
