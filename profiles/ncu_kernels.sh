@@ -21,7 +21,8 @@ fi
 for backend in $backends; do
   # shellcheck disable=SC2086
   ncu --clock-control none --target-processes all $details \
-      --section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section ComputeWorkloadAnalysis \
       --kernel-name regex:'attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \
       python3 profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt
   echo "wrote profiles/out/ncu_$backend.txt"

@@ -3,7 +3,8 @@
     python profiles/ncu_summary.py profiles/out/ncu_*.txt > profiles/out/ncu_summary.md
 
 For each report, a markdown table with a row per kernel (name and launch shape; a kernel profiled
-more than once keeps its last, warm launch): duration, DRAM and SM throughput as % of peak, the
+more than once keeps its last, warm launch): duration (3 significant digits: ncu prints 2 decimals
+in its own unit), DRAM and SM throughput as % of peak, the
 tensor pipe's share of elapsed cycles, achieved / theoretical occupancy, registers per thread, and
 the three warp-stall reasons with the most cycles per issued instruction. The full sections stay in
 the report itself.
@@ -12,6 +13,7 @@ the report itself.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -20,7 +22,7 @@ from pathlib import Path
 KERNEL = re.compile(r"^  (?!\s)(.+?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context ")
 # "    Duration                         us         2.75": name, unit (may be empty), value
 METRIC = re.compile(r"^    (\S.*?)\s{2,}(?:(\S+)\s+)?(-?[\d,]*\.?\d+)$")
-TO_US = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 
 
 def short_name(signature: str) -> str:
@@ -75,6 +77,13 @@ def summarize(kernels: list[dict]) -> list[dict]:
     return rows
 
 
+def three_digits(x: float) -> str:
+    """1730.0 -> '1730', 11.74 -> '11.7', 2.754 -> '2.75' (no exponent; nan as is)."""
+    if not math.isfinite(x) or x == 0:
+        return f"{x:g}"
+    return f"{x:.{max(0, 2 - math.floor(math.log10(abs(x))))}f}"
+
+
 def markdown(title: str, rows: list[dict]) -> str:
     columns = "kernel | grid x block | us | DRAM % | SM % | tensor pipe % | occupancy % (theory) | regs | top stalls"
     lines = [f"### {title}", "", f"| {columns} (cycles/inst) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -82,7 +91,7 @@ def markdown(title: str, rows: list[dict]) -> str:
         stalls = ", ".join(f"{name} {v:.2f}" for name, v in r["stalls"]) or "-"
         occupancy = f"{r['occupancy_pct']:.1f} ({r['theoretical_pct']:.1f})"
         lines.append(
-            f"| `{r['kernel']}` | {r['launch']} | {r['us']:.1f} | {r['dram_pct']:.1f} | {r['sm_pct']:.1f} | "
+            f"| `{r['kernel']}` | {r['launch']} | {three_digits(r['us'])} | {r['dram_pct']:.1f} | {r['sm_pct']:.1f} | "
             f"{r['tensor_pct']:.1f} | {occupancy} | {r['registers']:.0f} | {stalls} |"
         )
     return "\n".join(lines) + "\n"

@@ -65,6 +65,18 @@ def test_bench_offline_smoke(tmp_path):
     assert all(100 <= n <= 1024 for n in out_lens)
 
 
+def test_bench_offline_transformers_on_some_models_only(capsys):
+    bench = load_bench("bench_offline")
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "qwen3-0.6b", "--hf-model", "llama3-8b", "qwen3-0.6b"])
+    assert "--hf-model llama3-8b: not among --model; allowed: qwen3-0.6b" in capsys.readouterr().err
+    ours = {"tokens_per_s": 100.0, "output_tokens": 10, "seconds": 0.1}
+    rows = [{"model": "a", "minengine": ours, "transformers": {"skipped": "not in --hf-model"}}]
+    config = dict(num_requests=1, min_len=1, max_len=2)
+    report = {"command": "x", "date": "d", "info": {"device": "cpu"}, "config": config, "rows": rows}
+    assert "| a | 100 | not in --hf-model | - | 10 | 0.1 | - |" in bench.markdown(report)
+
+
 def test_benchmark_models_have_text_for_every_token(tmp_path):
     """The random-weight models the serving benchmarks run sample from the whole vocab: each id
     must decode to text (a server streams no chunk for a token without any, which made TTFT the

@@ -77,8 +77,9 @@ def test_ncu_summary_gives_a_row_per_kernel(tmp_path):
     assert rows[1]["us"] == 5.8 and rows[1]["stalls"] == []
     text = summary.main([str(tmp_path / "ncu_cuda-wgmma.txt")])
     assert text.startswith("### cuda-wgmma\n")
-    row = "| `attention_mma_kernel<__nv_bfloat16, 128, 1>` | 260x8x1 x 128x1x1 | 1730.0 | 19.9 | 51.7 | 20.1 |"
+    row = "| `attention_mma_kernel<__nv_bfloat16, 128, 1>` | 260x8x1 x 128x1x1 | 1730 | 19.9 | 51.7 | 20.1 |"
     assert row + " 17.8 (18.8) | 168 | Wait 1.28, Not Selected 0.80, Dispatch Stall 0.44 |" in text
     (tmp_path / "empty.txt").write_text("==PROF== nothing\n")
+    assert [summary.three_digits(x) for x in (1730.0, 11.74, 2.754, 0.0312)] == ["1730", "11.7", "2.75", "0.0312"]
     with pytest.raises(SystemExit, match="no kernel found"):
         summary.main([str(tmp_path / "empty.txt")])

@@ -82,6 +82,26 @@ def test_store_kv_rows_that_16_byte_pieces_cannot_copy(dtype, head_dim, shift, d
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
+def test_store_kv_head_dim_inside_wider_rows_and_odd_row_strides(device, kernels):
+    """Every stride a multiple of 16 bytes but the head dim (36 of 40-value rows), or the head dim
+    fine but the token stride odd (rows of a wider buffer): each needs the value-by-value copy."""
+    t, hkv, page, pages = 7, 3, 5, 4
+    slots = torch.randperm(page * pages)[:t].to(device)
+    wide = torch.randn(2, pages, page, hkv, 40, device=device).to(torch.float16)
+    k_cache, v_cache = wide[0, ..., :36], wide[1, ..., :36]
+    kv = torch.randn(2, t, hkv, 40, device=device).to(torch.float16)
+    cases = [(kv[0, ..., :36], kv[1, ..., :36], k_cache, v_cache)]
+    rows = [torch.randn(t, hkv * 64 + 1, device=device).to(torch.bfloat16) for _ in range(2)]  # aligned starts
+    k2, v2 = (r[:, : hkv * 64].view(t, hkv, 64) for r in rows)  # token stride hkv * 64 + 1
+    caches = torch.randn(2, pages, page, hkv, 64, device=device).to(torch.bfloat16)
+    cases.append((k2, v2, caches[0], caches[1]))
+    for k, v, kc, vc in cases:
+        k_ref, v_ref = kc.clone(), vc.clone()
+        reference.store_kv(k.contiguous(), v.contiguous(), k_ref, v_ref, slots)
+        kernels.store_kv(k, v, kc, vc, slots)
+        assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
+
+
 def test_store_kv_all_padding_and_empty(device, kernels):
     k, v, k_cache, v_cache, slots = make_case(torch.float16, 4, device)
     before = k_cache.clone()

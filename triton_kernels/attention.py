@@ -226,10 +226,11 @@ def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype
     (benchmarks/results/attention_NVIDIA_H100_80GB_HBM3.md, bf16 32/8/128): the decode rows reach
     94% of copy bandwidth (128 decodes at 2k) and 86% (8 at 32k, split-KV); the prefill row 37% of
     matmul peak on a 2048-token chunk, where FlashInfer reaches 75%: 166 registers x 8 warps leave
-    one program per SM (ncu: 12.5% occupancy, tensor pipe 25% of cycles, long-scoreboard stalls on
-    the paged K/V loads). In one mixed launch the decode rows run in this prefill tile too: the 63
-    decodes of case d added about 0.59 ms there (d - c: 1.80 - 1.21) against 0.38 ms as a launch of
-    their own (e - c), so two launches were faster (1.59 ms).
+    one program per SM (ncu: 12.5% occupancy, tensor pipe 25% of cycles, the largest stall
+    long-scoreboard waits on global loads, which suggests the paged K/V). In one mixed launch the
+    decode rows run in this prefill tile too: the 63 decodes of case d added about 0.59 ms there
+    (d - c: 1.80 - 1.21) against 0.38 ms as a launch of their own (e - c), so two launches were
+    faster (1.59 ms).
     """
     group_rows = max(16, triton.next_power_of_2(group))
     if interpret:
