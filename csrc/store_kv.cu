@@ -35,11 +35,11 @@ __global__ void store_kv_kernel(const T* __restrict__ k, const T* __restrict__ v
   }
 }
 
-// Whether 16-byte pieces of n-element values keep every row start aligned: the pointers on 16
-// bytes, the head dim and every stride (in elements) multiples of n.
-static bool vectorizable(const StoreKVArgs& a, int n) {
+// Whether V-sized pieces of n values keep every row start aligned: the pointers on sizeof(V)
+// bytes, the head dim and every stride (in values) multiples of n.
+template <typename V> static bool vectorizable(const StoreKVArgs& a, int n) {
   for (const uintptr_t p : {a.k, a.v, a.k_cache, a.v_cache}) {
-    if (p % 16 != 0) return false;
+    if (p % sizeof(V) != 0) return false;
   }
   for (const int64_t x : {a.head_dim, a.sk_t, a.sk_h, a.sv_t, a.sv_h, a.skc_p, a.skc_s, a.skc_h, a.svc_p, a.svc_s,
                           a.svc_h}) {
@@ -52,7 +52,7 @@ void store_kv(const StoreKVArgs& a) {
   if (a.num_tokens == 0) return;
   dispatch_float(a.dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    auto kernel = vectorizable(a, sizeof(uint4) / sizeof(T)) ? store_kv_kernel<T, uint4> : store_kv_kernel<T, T>;
+    auto kernel = vectorizable<uint4>(a, sizeof(uint4) / sizeof(T)) ? store_kv_kernel<T, uint4> : store_kv_kernel<T, T>;
     ME_LAUNCH(kernel, dim3(static_cast<unsigned>(a.num_tokens)), dim3(128), 0, reinterpret_cast<cudaStream_t>(a.stream),
         reinterpret_cast<const T*>(a.k), reinterpret_cast<const T*>(a.v), reinterpret_cast<T*>(a.k_cache),
         reinterpret_cast<T*>(a.v_cache), reinterpret_cast<const int64_t*>(a.slot_mapping), a.num_heads, a.head_dim,

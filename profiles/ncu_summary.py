@@ -4,10 +4,9 @@
 
 For each report, a markdown table with a row per kernel (name and launch shape; a kernel profiled
 more than once keeps its last, warm launch): duration (3 significant digits: ncu prints 2 decimals
-in its own unit), DRAM and SM throughput as % of peak, the
-tensor pipe's share of elapsed cycles, achieved / theoretical occupancy, registers per thread, and
-the three warp-stall reasons with the most cycles per issued instruction. The full sections stay in
-the report itself.
+in its own unit), DRAM and SM throughput as % of peak, the tensor pipe's share of elapsed cycles,
+achieved / theoretical occupancy, registers per thread, and the three warp-stall reasons with the
+most cycles per issued instruction. The full sections stay in the report itself.
 """
 
 from __future__ import annotations
