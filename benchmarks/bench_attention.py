@@ -145,6 +145,14 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
             except Exception as exc:  # noqa: BLE001
                 row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(f"skip {key} (case {case.name}): {row[f'{key}_error']}", flush=True)
+        if args.triton_variants:
+            picked, variants = triton_variants(batch, args.num_q_heads // args.num_kv_heads)
+            row["triton_config"] = picked._asdict()
+            row["variants"] = {}
+            for name, cfg in variants.items():
+                run = lambda c=cfg: triton_kernels.paged_attention(*batch.args(), out=out, config=c)  # noqa: E731
+                err = relative_error(run(), ref)
+                row["variants"][name] = dict(config=cfg._asdict(), ms=bench(run), rel_err_vs_fp64=err)
         if cuda_backend.available():
             theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
             row["cuda_ms"] = bench(theirs)
@@ -176,6 +184,31 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
         if f"{other}_ms" in row:
             row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["ms"]
     return row
+
+
+def triton_variants(batch, group: int) -> tuple:
+    """The tile config pick_config chooses for a batch, and the ones timed beside it with
+    --triton-variants (named by how they differ; those equal to the pick or to an earlier one are
+    left out): the stop-41 prefill tile (2 stages, decodes in the prefill tile) and each half of
+    that change, and deeper-pipelined decode tiles."""
+    from triton_kernels import attention
+    from triton_kernels._common import interpreting
+
+    head_dim, dtype = batch.q.shape[-1], batch.q.dtype
+    picked = attention.pick_config(batch.max_seqlen_q, group, head_dim, dtype, interpreting())
+    candidates = {
+        "2-stages": picked._replace(num_stages=2),
+        "one-tile": picked._replace(small_m=picked.block_m),
+        "stop41": picked._replace(num_stages=2, small_m=picked.block_m),
+        "3-stages": picked._replace(num_stages=3),
+        "8-warps-3-stages": picked._replace(num_warps=8, num_stages=3),
+        "tile-32-3-stages": picked._replace(tile_n=32, num_stages=3),
+    }
+    variants: dict[str, object] = {}
+    for name, cfg in candidates.items():
+        if cfg != picked and cfg not in variants.values():
+            variants[name] = cfg
+    return picked, variants
 
 
 GRID_SHAPES = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "d64": (32, 8, 64), "d256": (16, 4, 256)}
@@ -588,6 +621,24 @@ def markdown(report: dict) -> str:
             f"{fmt(r, 'rel_err_vs_fp64', '.1e')} | "
             f"{fmt(r, 'cuda_ms', '.4f')} | {fmt(r, 'cuda_wgmma_ms', '.4f')} |"
         )
+    if any("variants" in r for r in report["rows"]):
+        lines += [
+            "",
+            "Triton tile configs side by side (--triton-variants; block_m/small_m/tile_n/warps/stages):",
+            "",
+            "| case | config | tile | ms | picked/this | err vs fp64 |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in report["rows"]:
+            if "variants" not in r:
+                continue
+            lines.append(f"| {r['case']} | picked | {tile(r['triton_config'])} | {r['ms']:.4f} | 1.00 | "
+                         f"{r['rel_err_vs_fp64']:.1e} |")  # fmt: skip
+            for name, v in r["variants"].items():
+                lines.append(
+                    f"| {r['case']} | {name} | {tile(v['config'])} | {v['ms']:.4f} | {r['ms'] / v['ms']:.2f} | "
+                    f"{v['rel_err_vs_fp64']:.1e} |"
+                )
     lines += ["", "Targets:"] + [f"- {t}" for t in report["targets"]]
     if report.get("tuning"):
         lines += ["", f"Tuning table: {report['tuning']}"]
@@ -611,6 +662,10 @@ def markdown(report: dict) -> str:
             f"Left out ({len(left)} grid configs; by --time-budget unless it says failed): " + "; ".join(left),
         ]
     return "\n".join(lines) + "\n"
+
+
+def tile(cfg: dict) -> str:
+    return "/".join(str(cfg[k]) for k in ("block_m", "small_m", "tile_n", "num_warps", "num_stages"))
 
 
 def check_targets(rows: list[dict]) -> list[str]:
@@ -688,6 +743,11 @@ def main(argv: list[str] | None = None) -> dict:
         "flashinfer at the same shape: its server then starts without minutes of JIT compiles)",
     )
     parser.add_argument("--build-flashinfer", default=None, help=argparse.SUPPRESS)  # the warm-up process's builds
+    parser.add_argument(
+        "--triton-variants",
+        action="store_true",
+        help="on each one-launch case, also time the Triton tile configs of triton_variants() beside the picked one",
+    )
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)

@@ -17,8 +17,9 @@
 #
 # A session gets about 30 minutes of device time, start-up included: three phases at most. The
 # first (an H100, 2026-11-23) ran tests (311 s), kernels (237 s, cut short by a bug since fixed) and
-# engine (541 s); a fresh machine started in under 30 s. Next: kernels (the grid and tuning table),
-# then within the machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is still
+# engine (541 s); a fresh machine started in under 30 s. Next: kernels (the grid and tuning table;
+# --triton-variants times the unmeasured stop-42 Triton tiles beside stop 41's on cases a-d), then
+# within the machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is still
 # there), `serving overlap chunk delayer`, the rest of engine, disagg.
 # Carry the `base` wheels for tests (FlashInfer's tests then skip: its JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving.
@@ -100,7 +101,7 @@ case $PHASE in
     # and only for the core cases and the targets' grid configs; the grid starts no config in the
     # phase's last 150 s (ncu's), and SIGTERM ends the one running, so the report and the tuning
     # table (commit it to minengine/ops/tuning/) hold what it measured
-    step bench_attention python3 benchmarks/bench_attention.py --suite full --write-tuning \
+    step bench_attention python3 benchmarks/bench_attention.py --suite full --write-tuning --triton-variants \
       --flashinfer-grid target --flashinfer-warmup 240 --time-budget $(($(left) - 150)) --out "$WORK/results"
     cp minengine/ops/tuning/*.json "$WORK/results/" 2>/dev/null
     pack

@@ -29,8 +29,12 @@ def load_bench(name: str = "bench_attention"):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
 def test_bench_attention_smoke(tmp_path):
     bench = load_bench()
-    report = bench.main(["--smoke", "--out", str(tmp_path)])
+    report = bench.main(["--smoke", "--triton-variants", "--out", str(tmp_path)])
     assert [r["case"] for r in report["rows"]] == list("abcde")
+    for row in report["rows"][:4]:  # the one-launch cases time the other tile configs too
+        assert row["variants"] and row["triton_config"] not in [v["config"] for v in row["variants"].values()]
+        assert all(v["ms"] > 0 and v["rel_err_vs_fp64"] < 1.6e-2 for v in row["variants"].values()), row
+    assert "| d | 2-stages |" in (tmp_path / "attention_smoke.md").read_text()
     for row in report["rows"]:
         assert row["ms"] > 0 and row["kv_gbps"] > 0
         if "rel_err_vs_fp64" in row:
@@ -345,7 +349,8 @@ def test_bench_attention_flashinfer_rows_with_a_stand_in(monkeypatch):
     install_stand_in(monkeypatch)
     bench = load_bench()
     args = argparse.Namespace(smoke=True, no_torch=True, no_flashinfer=False, flashinfer_grid="target",
-                              num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16)  # fmt: skip
+                              num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
+                              triton_variants=False)  # fmt: skip
     device, ceilings = torch.device("cpu"), {"copy_gbps": 1.0, "matmul_tflops": 1.0}
     timer = bench.timer(device)
     (mixed_case,) = [c for c in bench.cases(256) if c.name == "d"]

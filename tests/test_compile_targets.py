@@ -27,8 +27,10 @@ SCRIPT = textwrap.dedent(
         "sm80_prefill": (80, bf16, 128, 4, 16, 1, 2048),
         "sm90_fp32_d80_g5_p5": (90, fp32, 80, 5, 5, 2, 7),
         "sm90_fp16_d256_g16_p1": (90, fp16, 256, 16, 1, 2, 7),
+        "sm90_prefill_d256": (90, bf16, 256, 4, 16, 1, 2048),
     }.items():
-        out[name] = aot.resources(aot.compile_attention(*args)[1])
+        compiled = aot.compile_attention(*args)[1]
+        out[name] = aot.resources(compiled) | {"waits": aot.async_waits(compiled)}
     out["merge"] = aot.resources(aot.compile_merge(90, bf16, 128, 8))
     out["store_kv"] = aot.resources(aot.compile_store_kv(90, bf16, 8, 128, 16))
     out["store_kv_odd"] = aot.resources(aot.compile_store_kv(80, fp32, 3, 80, 5))
@@ -51,8 +53,11 @@ def test_kernels_compile_for_sm80_and_sm90():
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     layers = ("rms_norm_4096", "rms_norm_8192", "rotary", "rotary_qk_norm", "rotary_qk_norm_sm80", "silu_and_mul")
-    for name in ("sm90_prefill", "sm90_decode", "sm90_split", "sm80_prefill", "merge", "store_kv", "gather", *layers):
+    prefill = ("sm90_prefill", "sm90_prefill_d256", "sm80_prefill")
+    for name in (*prefill, "sm90_decode", "sm90_split", "merge", "store_kv", "gather", *layers):
         assert res[name]["spill_bytes"] == 0, (name, res[name])
     assert res["sm90_prefill"]["mma"] == "HGMMA"  # Hopper wgmma for prefill tiles
+    for name in prefill:  # each KV loop's wait leaves the next tile's K and V copies in flight
+        assert res[name]["waits"] == ["2", "0"] * 4, (name, res[name]["waits"])
     for name in ("sm90_decode", "sm90_split", "sm80_prefill"):
         assert res[name]["mma"] == "HMMA", (name, res[name])

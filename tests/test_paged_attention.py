@@ -337,6 +337,59 @@ def test_gpu_tile_configs(max_seqlen_q, dtype, device, monkeypatch):
     run_and_check(batch, dtype, num_splits=2)
 
 
+@pytest.mark.parametrize(
+    ("block_m", "tile_n", "small_m", "hq", "d"),
+    [(128, 64, 16, 8, 64), (64, 16, 16, 8, 64), (64, 16, 16, 6, 80), (32, 16, 32, 4, 48)],
+)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_tile_mapping(block_m, tile_n, small_m, hq, d, num_splits, device):
+    """Every path of the kernel's block and tile mapping, with tile shapes the GPU would run.
+
+    Blocks of at most SMALL_M // GROUP tokens (decodes, a chunk's short tail: 35 = 32 + 3 and
+    37 = 32 + 5 with BLOCK_Q 32) take the small block, the others the big one; KV tiles at or
+    below a block's first position run unmasked, the rest masked. Sequence lengths put the
+    diagonal on, just before and just after tile edges; d 80 and 48 leave BLOCK_D past HEAD_DIM
+    (the unmasked loads still mask columns: the decode at 48 ends a full tile mid-page, so an
+    unmasked row would run into the poisoned slot after it), and 6/2 heads leave padding rows.
+    """
+    from triton_kernels import attention
+
+    cfg = attention.AttentionConfig(block_m, tile_n, num_warps=4, num_stages=2, small_m=small_m)
+    q_lens = [1, 35, 0, 1, 70, 37, 1, 4, 1]
+    kv_lens = [130, 100, 4, 17, 70, 64, 63, 65, 48]
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = batch_for(q_lens, kv_lens, dtype, device, hq=hq, hkv=2, d=d, page=16 if d == 64 else 5)
+        run_and_check(batch, dtype, num_splits=num_splits, config=cfg)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(block_m=8), r"config\.block_m is 8; allowed: a power of two >= 16"),
+        (dict(block_m=48), r"config\.block_m is 48"),
+        (dict(block_m=16, small_m=32), r"config\.small_m is 32; allowed: a power of two in \[16, block_m\]"),
+        (dict(small_m=8), r"config\.small_m is 8"),
+        (dict(tile_n=8), r"config\.tile_n is 8; allowed: a power of two >= 16"),
+        (dict(tile_n=48), r"config\.tile_n is 48"),
+        (dict(num_warps=3), r"config\.num_warps is 3; allowed: 1, 2, 4, 8 or 16"),
+        (dict(num_stages=0), r"config\.num_stages is 0; allowed: an integer in \[1, 8\]"),
+        (dict(num_stages=2.0), r"config\.num_stages is 2\.0"),
+    ],
+)
+def test_bad_config_raises(change, message, device):
+    from triton_kernels import attention
+
+    cfg = attention.AttentionConfig(block_m=32, tile_n=16, num_warps=1, num_stages=1, small_m=16)._replace(**change)
+    batch = batch_for([2, 1], [4, 6], torch.float16, device)
+    with pytest.raises(ValueError, match=message):
+        triton_kernels.paged_attention(*batch.args(), config=cfg)
+    # a group of 32 query heads per KV head needs 32-row blocks
+    wide_group = batch_for([1], [4], torch.float16, device, hq=32, hkv=1)
+    small = attention.AttentionConfig(block_m=32, tile_n=16, num_warps=1, num_stages=1, small_m=16)
+    with pytest.raises(ValueError, match=r"config\.small_m is 16; allowed: a power of two in \[32, block_m\]"):
+        triton_kernels.paged_attention(*wide_group.args(), config=small)
+
+
 @pytest.mark.parametrize(("num_splits", "launches"), [(1, 1), (4, 2)])
 def test_mixed_batch_is_one_launch(num_splits, launches, device, monkeypatch):
     """Prefill chunks and decodes share one kernel launch; split-KV adds exactly one merge launch."""

@@ -86,6 +86,8 @@ def compile_attention(
         GROUP=group,
         BLOCK_M=cfg.block_m,
         BLOCK_Q=max(1, cfg.block_m // group),
+        SMALL_M=cfg.small_m,
+        SMALL_Q=max(1, cfg.small_m // group),
         TILE_N=cfg.tile_n,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
@@ -167,6 +169,15 @@ def compile_silu_and_mul(arch: int, dtype: torch.dtype):
 
 def cuobjdump() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def async_waits(compiled) -> list[str]:
+    """The pending-copy counts of the kernel's ``async_wait`` ops, in order (TTGIR).
+
+    Inside a pipelined loop, N > 0 means the wait leaves N copy groups in flight (loads for later
+    tiles); 0 means it waits for every copy issued so far.
+    """
+    return re.findall(r"ttg\.async_wait .*?\{num = (\d+) : i32\}", compiled.asm["ttgir"])
 
 
 def resources(compiled) -> dict[str, Any]:

@@ -16,6 +16,8 @@ Contract::
     softmax_scale defaults to D ** -0.5
     out           optional, like q; written and returned
     num_splits    optional override of the split-KV factor (None: chosen from the batch shape)
+    config        optional AttentionConfig overriding the tile shapes (benchmarks, tuning; None:
+                  pick_config's)
 
 Query j of sequence b sits at position seq_len_b - q_len_b + j and attends causally to KV
 positions 0..that position. Decodes (q_len 1), chunks over a cached prefix (seq_len > q_len),
@@ -30,10 +32,12 @@ Design: one program handles BLOCK_M rows = BLOCK_Q query tokens x the GROUP quer
 share one KV head, so a decode still feeds the tensor cores (GQA packing). Query blocks of all
 sequences are laid out on grid axis 0 without a host sync: sequence b owns the program ids
 [cu[b] // BLOCK_Q + b, cu[b + 1] // BLOCK_Q + b + 1), found by binary search, and one extra
-range covers padding tokens. KV is read TILE_N tokens at a time; each token's page comes from
-the block table, so any page size works. With split-KV (flash-decoding), grid axis 2 splits each
-program's KV range; partial (acc, max, sum) go to an fp32 workspace and one reduce launch merges
-them.
+range covers padding tokens. A block of at most SMALL_Q tokens (a decode among prefill chunks)
+runs SMALL_M rows instead of BLOCK_M, in the same launch. KV is read TILE_N tokens at a time;
+each token's page comes from the block table (loaded a tile ahead), so any page size works.
+Tiles every row of a block sees whole skip the causal and length masks. With split-KV
+(flash-decoding), grid axis 2 splits each program's KV range; partial (acc, max, sum) go to an
+fp32 workspace and one reduce launch merges them.
 """
 
 from __future__ import annotations
@@ -49,6 +53,183 @@ from triton_kernels.contract import check_paged_attention, check_paged_attention
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
+
+
+@triton.jit
+def _kv_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    pos,
+    bt_row,
+    k_head,
+    v_head,
+    kv_end,
+    tile_lo,
+    tile_hi,
+    stride_kp,
+    stride_ks,
+    stride_vp,
+    stride_vs,
+    scale_log2e,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SLOT_I64: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Online softmax over KV tiles [tile_lo, tile_hi). MASKED=False is for tiles every row sees
+    whole (below the diagonal, inside kv_end): no causal or length masks there.
+
+    Each tile's page ids are loaded one tile ahead, so the K/V loads of a tile depend on a value
+    carried from the previous iteration and Triton's pipeliner can keep the next tiles' K/V copies
+    in flight across the wait (with num_stages 3, ``async_wait`` keeps 2 copy groups pending; a
+    page-id load in the same iteration made it wait for all of them).
+    """
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    next_pos = tile_lo * TILE_N + offs_n
+    next_page = tl.load(bt_row + next_pos // PAGE_SIZE, mask=next_pos < kv_end, other=0)
+    for tile in range(tile_lo, tile_hi):
+        kv_pos = tile * TILE_N + offs_n
+        page = next_page.to(tl.int64)
+        next_pos = kv_pos + TILE_N
+        next_page = tl.load(bt_row + next_pos // PAGE_SIZE, mask=next_pos < kv_end, other=0)
+        slot = kv_pos % PAGE_SIZE
+        if SLOT_I64:  # (PAGE_SIZE - 1) * stride_ks passes 2**31 (an unusual layout): 64-bit products
+            slot = slot.to(tl.int64)
+        k_offs = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
+        v_offs = page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :]
+        if MASKED:
+            kv_valid = kv_pos < kv_end
+            kv_mask = kv_valid[:, None] & d_mask[None, :]
+            k = tl.load(k_head + k_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_head + v_offs, mask=kv_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_head + k_offs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_head + v_offs, mask=d_mask[None, :], other=0.0)
+        else:
+            k = tl.load(k_head + k_offs)
+            v = tl.load(v_head + v_offs)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        if MASKED:
+            causal = (kv_pos[None, :] <= pos[:, None]) & kv_valid[None, :]
+            s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_block(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    block_tables_ptr,
+    seq,
+    tok0,
+    q_end,
+    seq_len,
+    kv_head,
+    split,
+    num_tokens,
+    scale_log2e,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SLOT_I64: tl.constexpr,
+):
+    """Query tokens [tok0, min(tok0 + BLOCK_Q, q_end)) of one sequence, the GROUP query heads of
+    kv_head: BLOCK_M rows, against this split's share of the KV range."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    row_tok = offs_m // GROUP
+    q_head = kv_head * GROUP + offs_m % GROUP
+    token = tok0 + row_tok
+    row_valid = (row_tok < BLOCK_Q) & (token < q_end)
+    # Causal position of each row; padding rows get seq_len 0 and so see no key.
+    pos = seq_len - q_end + token
+
+    q_offs = token.to(tl.int64)[:, None] * stride_qt + q_head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # KV range of this program: keys 0..(position of its last row), split NUM_SPLITS ways.
+    kv_end = tl.maximum(seq_len - q_end + tl.minimum(tok0 + BLOCK_Q, q_end), 0)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    # Tiles [0, full) lie at or below the first row's position, so every row sees them whole.
+    full = tl.maximum(seq_len - q_end + tok0 + 1, 0) // TILE_N
+    tile_mid = tl.maximum(tl.minimum(full, tile_hi), tile_lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
+    acc, m_i, l_i = _kv_tiles(
+        acc, m_i, l_i, q, pos, bt_row, k_head, v_head, kv_end, tile_lo, tile_mid,
+        stride_kp, stride_ks, stride_vp, stride_vs, scale_log2e,
+        HEAD_DIM, BLOCK_D, TILE_N, PAGE_SIZE, DOT_FP32, PRECISION, SLOT_I64, MASKED=False,
+    )  # fmt: skip
+    acc, m_i, l_i = _kv_tiles(
+        acc, m_i, l_i, q, pos, bt_row, k_head, v_head, kv_end, tile_mid, tile_hi,
+        stride_kp, stride_ks, stride_vp, stride_vs, scale_log2e,
+        HEAD_DIM, BLOCK_D, TILE_N, PAGE_SIZE, DOT_FP32, PRECISION, SLOT_I64, MASKED=True,
+    )  # fmt: skip
+
+    out_mask = row_valid[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_offs = token.to(tl.int64)[:, None] * stride_ot + q_head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # workspace: acc [NUM_SPLITS, num_tokens, Hq, HEAD_DIM], (max, sum) [NUM_SPLITS, num_tokens, Hq, 2]
+        row = (split * num_tokens + token.to(tl.int64)) * NUM_Q_HEADS + q_head
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
 
 
 @triton.jit
@@ -82,6 +263,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    SMALL_M: tl.constexpr,
+    SMALL_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -112,73 +295,27 @@ def _paged_attention_kernel(
     if tok0 >= q_end:
         return
 
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    row_tok = offs_m // GROUP
-    q_head = kv_head * GROUP + offs_m % GROUP
-    token = tok0 + row_tok
-    row_valid = (row_tok < BLOCK_Q) & (token < q_end)
-    # Causal position of each row; padding rows get seq_len 0 and so see no key.
-    pos = seq_len - q_end + token
-
-    q_offs = token.to(tl.int64)[:, None] * stride_qt + q_head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-
-    # KV range of this program: keys 0..(position of its last row), split NUM_SPLITS ways.
-    kv_end = tl.maximum(seq_len - q_end + tl.minimum(tok0 + BLOCK_Q, q_end), 0)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_ptr + kv_head.to(tl.int64) * stride_vh
-    offs_n = tl.arange(0, TILE_N)
-    for tile in range(tile_lo, tile_hi):
-        kv_pos = tile * TILE_N + offs_n
-        kv_valid = kv_pos < kv_end
-        page = tl.load(bt_row + kv_pos // PAGE_SIZE, mask=kv_valid, other=0).to(tl.int64)
-        slot = kv_pos % PAGE_SIZE
-        if SLOT_I64:  # (PAGE_SIZE - 1) * stride_ks passes 2**31 (an unusual layout): 64-bit products
-            slot = slot.to(tl.int64)
-        kv_mask = kv_valid[:, None] & d_mask[None, :]
-        k_offs = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
-        k = tl.load(k_head + k_offs, mask=kv_mask, other=0.0)
-        v_offs = page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :]
-        v = tl.load(v_head + v_offs, mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
-        causal = (kv_pos[None, :] <= pos[:, None]) & kv_valid[None, :]
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
-    out_mask = row_valid[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_offs = token.to(tl.int64)[:, None] * stride_ot + q_head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # workspace: acc [NUM_SPLITS, num_tokens, Hq, HEAD_DIM], (max, sum) [NUM_SPLITS, num_tokens, Hq, 2]
-        row = (split * num_tokens + token.to(tl.int64)) * NUM_Q_HEADS + q_head
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-        tl.store(part_ml_ptr + row * 2, m_i, mask=row_valid)
-        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
+    # A block of at most SMALL_Q tokens (a decode in a mixed launch, a chunk's short tail) runs
+    # SMALL_M rows instead of BLOCK_M: its KV reads stay the same, its matmuls shrink.
+    if SMALL_M < BLOCK_M:  # noqa: SIM102 (a constexpr: decode-only launches compile one block)
+        if q_end - tok0 <= SMALL_Q:
+            _attend_block(
+                q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr,
+                seq, tok0, q_end, seq_len, kv_head, split, num_tokens, scale_log2e,
+                stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                stride_ot, stride_oh, stride_bt,
+                NUM_Q_HEADS, HEAD_DIM, BLOCK_D, GROUP, SMALL_M, SMALL_Q, TILE_N, PAGE_SIZE, NUM_SPLITS,
+                DOT_FP32, PRECISION, SLOT_I64,
+            )  # fmt: skip
+            return
+    _attend_block(
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, block_tables_ptr,
+        seq, tok0, q_end, seq_len, kv_head, split, num_tokens, scale_log2e,
+        stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        stride_ot, stride_oh, stride_bt,
+        NUM_Q_HEADS, HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, TILE_N, PAGE_SIZE, NUM_SPLITS,
+        DOT_FP32, PRECISION, SLOT_I64,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -216,6 +353,7 @@ class AttentionConfig(NamedTuple):
     tile_n: int
     num_warps: int
     num_stages: int
+    small_m: int  # rows of blocks with few query tokens (a mixed launch's decodes); <= block_m
 
 
 def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype, interpret: bool) -> AttentionConfig:
@@ -231,18 +369,48 @@ def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype
     decode rows run in this prefill tile too: the 63 decodes of case d added about 0.59 ms there
     (d - c: 1.80 - 1.21) against 0.38 ms as a launch of their own (e - c), so two launches were
     faster (1.59 ms).
+
+    Changed after that run, not yet measured (``bench_attention.py --triton-variants`` times both):
+    the TTGIR of that prefill loop showed its block-table load in the same iteration as the K/V
+    copies it addresses, so each tile waited for every copy (``async_wait {num = 0}``), the global
+    latency exposed once per tile. Page ids now come a tile ahead and prefill tiles run 3 stages:
+    the wait leaves the next tile's K and V in flight (``num = 2``; tests/test_compile_targets.py
+    checks it for sm_90 and sm_80). Tiles below the diagonal skip the masks, and blocks of at most
+    small_m // group tokens (a mixed launch's decodes) run small_m rows in the same launch.
     """
     group_rows = max(16, triton.next_power_of_2(group))
     if interpret:
-        return AttentionConfig(block_m=group_rows, tile_n=16, num_warps=1, num_stages=1)
+        return AttentionConfig(block_m=group_rows, tile_n=16, num_warps=1, num_stages=1, small_m=group_rows)
     if dtype == torch.float32:  # exact fp32 dots run on FMA units: 8 warps keep sm_90 from spilling
-        return AttentionConfig(group_rows, tile_n=32, num_warps=8, num_stages=2)
+        return AttentionConfig(group_rows, tile_n=32, num_warps=8, num_stages=2, small_m=group_rows)
     wide = head_dim > 128
     if max_seqlen_q * group <= group_rows:  # decode-only (or tiny chunks): one token per row group
         # 2 stages: with 3, Triton 3.6 spills the split-KV variant on sm_90 (8 B at 128 registers)
-        return AttentionConfig(group_rows, tile_n=32 if wide else 64, num_warps=4, num_stages=2)
+        return AttentionConfig(group_rows, tile_n=32 if wide else 64, num_warps=4, num_stages=2, small_m=group_rows)
+    # 3 stages: with page ids loaded a tile ahead, the pipeliner keeps the next tile's K/V copies in
+    # flight across the wait (with 2, each tile waited for every copy). 8 warps: wide heads spill
+    # at 4 (Triton 3.6, sm_90: 16 B at D 192 and 256).
     block_m = max(group_rows, 64 if wide else 128)
-    return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8 if block_m >= 128 else 4, num_stages=2)
+    return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8, num_stages=3, small_m=group_rows)
+
+
+def check_config(cfg: AttentionConfig, group: int) -> None:
+    """Tile shapes the kernel can run: a ValueError naming the field, its value and what is allowed."""
+    rows = max(16, triton.next_power_of_2(group))  # a block's rows hold whole groups of query heads
+    rules = (
+        ("block_m", _pow2(cfg.block_m) and cfg.block_m >= rows, f"a power of two >= {rows} (for group {group})"),
+        ("small_m", _pow2(cfg.small_m) and rows <= cfg.small_m <= cfg.block_m, f"a power of two in [{rows}, block_m]"),
+        ("tile_n", _pow2(cfg.tile_n) and cfg.tile_n >= 16, "a power of two >= 16"),
+        ("num_warps", cfg.num_warps in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
+        ("num_stages", type(cfg.num_stages) is int and 1 <= cfg.num_stages <= 8, "an integer in [1, 8]"),
+    )
+    for field, good, allowed in rules:
+        if not good:
+            raise ValueError(f"config.{field} is {getattr(cfg, field)!r}; allowed: {allowed}")
+
+
+def _pow2(n: object) -> bool:
+    return type(n) is int and n > 0 and n & (n - 1) == 0
 
 
 def pick_num_splits(num_tokens: int, num_seqs: int, block_q: int, num_kv_heads: int, device: torch.device) -> int:
@@ -270,6 +438,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
     check_runnable(q, k_cache)
@@ -283,7 +452,8 @@ def paged_attention(
     interpret = interpreting()
     if interpret and interpreter_problem():
         raise RuntimeError(interpreter_problem())
-    cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret)
+    cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret) if config is None else config
+    check_config(cfg, group)
     block_q = max(1, cfg.block_m // group)
     if num_splits is None:
         num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
@@ -331,6 +501,8 @@ def paged_attention(
         GROUP=group,
         BLOCK_M=cfg.block_m,
         BLOCK_Q=block_q,
+        SMALL_M=cfg.small_m,
+        SMALL_Q=max(1, cfg.small_m // group),
         TILE_N=cfg.tile_n,
         PAGE_SIZE=dims.page_size,
         NUM_SPLITS=num_splits,
