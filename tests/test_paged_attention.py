@@ -7,9 +7,11 @@ outputs are poisoned with NaN before each call, so an unwritten element fails.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -357,23 +359,60 @@ def test_tile_mapping(block_m, tile_n, small_m, hq, d, num_splits, device):
     cfg = attention.AttentionConfig(block_m, tile_n, num_warps=4, num_stages=2, small_m=small_m)
     q_lens = [1, 35, 0, 1, 70, 37, 1, 4, 1]
     kv_lens = [130, 100, 4, 17, 70, 64, 63, 65, 48]
+    page = 16 if d == 64 else 5
     for dtype in (torch.float32, torch.bfloat16):
-        batch = batch_for(q_lens, kv_lens, dtype, device, hq=hq, hkv=2, d=d, page=16 if d == 64 else 5)
-        run_and_check(batch, dtype, num_splits=num_splits, config=cfg)
+        # 3 padding tokens past the last sequence: their block may take the small branch too
+        batch = batch_for(q_lens, kv_lens, dtype, device, hq=hq, hkv=2, d=d, page=page, num_tokens=sum(q_lens) + 3)
+        with block_table_reads(batch.block_tables) as reads:
+            out = run_and_check(batch, dtype, num_splits=num_splits, config=cfg)
+        assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
+        if reads is not None:  # under the interpreter: no entry past a sequence's last page is read
+            assert reads, "the spy saw no block-table read"
+            for row, col in reads:
+                assert col < -(-kv_lens[row] // page), f"sequence {row} read block-table column {col}"
+
+
+@contextlib.contextmanager
+def block_table_reads(block_tables: torch.Tensor):
+    """Under Triton's interpreter, the (row, column) of every block-table entry a kernel loads
+    (unmasked lanes only); None on a GPU."""
+    if block_tables.device.type != "cpu":
+        yield None
+        return
+    from triton.runtime import interpreter
+
+    base, size = block_tables.data_ptr(), block_tables.numel() * block_tables.element_size()
+    seen: set[tuple[int, int]] = set()
+    real = interpreter.InterpreterBuilder.create_masked_load
+
+    def spy(self, ptrs, mask, *args, **kwargs):
+        addrs = np.asarray(ptrs.data, dtype=np.int64)
+        hit = np.broadcast_to(np.asarray(mask.data, dtype=bool), addrs.shape) & (addrs >= base) & (addrs < base + size)
+        for index in (addrs[hit] - base) // block_tables.element_size():
+            seen.add(divmod(int(index), block_tables.stride(0)))
+        return real(self, ptrs, mask, *args, **kwargs)
+
+    interpreter.InterpreterBuilder.create_masked_load = spy
+    try:
+        yield seen
+    finally:
+        interpreter.InterpreterBuilder.create_masked_load = real
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(block_m=8), r"config\.block_m is 8; allowed: a power of two >= 16"),
-        (dict(block_m=48), r"config\.block_m is 48"),
-        (dict(block_m=16, small_m=32), r"config\.small_m is 32; allowed: a power of two in \[16, block_m\]"),
-        (dict(small_m=8), r"config\.small_m is 8"),
-        (dict(tile_n=8), r"config\.tile_n is 8; allowed: a power of two >= 16"),
-        (dict(tile_n=48), r"config\.tile_n is 48"),
+        (dict(block_m=8), r"config\.block_m is 8; allowed: a power of two in \[16, 256\]"),
+        (dict(block_m=48), r"config\.block_m is 48;"),
+        (dict(block_m=512, small_m=16), r"config\.block_m is 512;"),
+        (dict(block_m=16, small_m=32), r"config\.small_m is 32; allowed: a power of two in \[16, block_m 16\]"),
+        (dict(small_m=8), r"config\.small_m is 8;"),
+        (dict(tile_n=8), r"config\.tile_n is 8; allowed: a power of two in \[16, 256\]"),
+        (dict(tile_n=48), r"config\.tile_n is 48;"),
         (dict(num_warps=3), r"config\.num_warps is 3; allowed: 1, 2, 4, 8 or 16"),
         (dict(num_stages=0), r"config\.num_stages is 0; allowed: an integer in \[1, 8\]"),
-        (dict(num_stages=2.0), r"config\.num_stages is 2\.0"),
+        (dict(num_stages=2.0), r"config\.num_stages is 2\.0; allowed: an integer"),
+        (dict(num_warps=True), r"config\.num_warps is True; allowed: an integer"),
     ],
 )
 def test_bad_config_raises(change, message, device):
@@ -386,8 +425,25 @@ def test_bad_config_raises(change, message, device):
     # a group of 32 query heads per KV head needs 32-row blocks
     wide_group = batch_for([1], [4], torch.float16, device, hq=32, hkv=1)
     small = attention.AttentionConfig(block_m=32, tile_n=16, num_warps=1, num_stages=1, small_m=16)
-    with pytest.raises(ValueError, match=r"config\.small_m is 16; allowed: a power of two in \[32, block_m\]"):
+    with pytest.raises(ValueError, match=r"config\.small_m is 16; allowed: a power of two in \[32, block_m 32\]"):
         triton_kernels.paged_attention(*wide_group.args(), config=small)
+
+
+def test_configs_pass_the_checks(device):
+    """pick_config's shapes (not checked per call) are ones check_config accepts, and a config of
+    NumPy integers runs as plain ints."""
+    from triton_kernels import attention
+
+    for interpret in (False, True):
+        for dtype in DTYPES:
+            for group in (1, 3, 4, 8, 16, 32):
+                for head_dim in (32, 64, 128, 192, 256):
+                    for max_seqlen_q in (1, 3, 2048):
+                        cfg = attention.pick_config(max_seqlen_q, group, head_dim, dtype, interpret)
+                        assert attention.check_config(cfg, group) == cfg
+    numpy_cfg = attention.AttentionConfig(*(np.int64(v) for v in (32, 16, 1, 1, 16)))
+    assert all(type(v) is int for v in attention.check_config(numpy_cfg, 4))
+    run_and_check(batch_for([3, 1], [9, 6], torch.float32, device), torch.float32, config=numpy_cfg)
 
 
 @pytest.mark.parametrize(("num_splits", "launches"), [(1, 1), (4, 2)])

@@ -42,6 +42,7 @@ fp32 workspace and one reduce launch merges them.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -370,7 +371,8 @@ def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype
     (d - c: 1.80 - 1.21) against 0.38 ms as a launch of their own (e - c), so two launches were
     faster (1.59 ms).
 
-    Changed after that run, not yet measured (``bench_attention.py --triton-variants`` times both):
+    Changed after that run, not yet measured (``bench_attention.py --triton-variants`` times stop
+    41's tile parameters beside these, both on the current kernel body):
     the TTGIR of that prefill loop showed its block-table load in the same iteration as the K/V
     copies it addresses, so each tile waited for every copy (``async_wait {num = 0}``), the global
     latency exposed once per tile. Page ids now come a tile ahead and prefill tiles run 3 stages:
@@ -388,29 +390,37 @@ def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype
         # 2 stages: with 3, Triton 3.6 spills the split-KV variant on sm_90 (8 B at 128 registers)
         return AttentionConfig(group_rows, tile_n=32 if wide else 64, num_warps=4, num_stages=2, small_m=group_rows)
     # 3 stages: with page ids loaded a tile ahead, the pipeliner keeps the next tile's K/V copies in
-    # flight across the wait (with 2, each tile waited for every copy). 8 warps: wide heads spill
-    # at 4 (Triton 3.6, sm_90: 16 B at D 192 and 256).
+    # flight across the wait (with 2, each tile waited for every copy). 8 warps: at 4, wide heads
+    # spill on sm_90 with 3 stages (Triton 3.6: 16 B at D 256, 24 B at D 192; 3.9: 32 B at D 256).
     block_m = max(group_rows, 64 if wide else 128)
     return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8, num_stages=3, small_m=group_rows)
 
 
-def check_config(cfg: AttentionConfig, group: int) -> None:
-    """Tile shapes the kernel can run: a ValueError naming the field, its value and what is allowed."""
+def check_config(cfg: AttentionConfig, group: int) -> AttentionConfig:
+    """A caller's tile shapes, as plain ints, or a ValueError naming the field, its value and what
+    is allowed."""
     rows = max(16, triton.next_power_of_2(group))  # a block's rows hold whole groups of query heads
+    for field in AttentionConfig._fields:
+        value = getattr(cfg, field)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ValueError(f"config.{field} is {value!r}; allowed: an integer")
+    cfg = AttentionConfig(*(int(v) for v in cfg))
     rules = (
-        ("block_m", _pow2(cfg.block_m) and cfg.block_m >= rows, f"a power of two >= {rows} (for group {group})"),
-        ("small_m", _pow2(cfg.small_m) and rows <= cfg.small_m <= cfg.block_m, f"a power of two in [{rows}, block_m]"),
-        ("tile_n", _pow2(cfg.tile_n) and cfg.tile_n >= 16, "a power of two >= 16"),
+        ("block_m", _pow2(cfg.block_m) and rows <= cfg.block_m <= 256, f"a power of two in [{rows}, 256]"),
+        ("small_m", _pow2(cfg.small_m) and rows <= cfg.small_m <= cfg.block_m,
+         f"a power of two in [{rows}, block_m {cfg.block_m}]"),
+        ("tile_n", _pow2(cfg.tile_n) and 16 <= cfg.tile_n <= 256, "a power of two in [16, 256]"),
         ("num_warps", cfg.num_warps in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
-        ("num_stages", type(cfg.num_stages) is int and 1 <= cfg.num_stages <= 8, "an integer in [1, 8]"),
-    )
+        ("num_stages", 1 <= cfg.num_stages <= 8, "an integer in [1, 8]"),
+    )  # fmt: skip
     for field, good, allowed in rules:
         if not good:
-            raise ValueError(f"config.{field} is {getattr(cfg, field)!r}; allowed: {allowed}")
+            raise ValueError(f"config.{field} is {getattr(cfg, field)}; allowed: {allowed} (group {group})")
+    return cfg
 
 
-def _pow2(n: object) -> bool:
-    return type(n) is int and n > 0 and n & (n - 1) == 0
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def pick_num_splits(num_tokens: int, num_seqs: int, block_q: int, num_kv_heads: int, device: torch.device) -> int:
@@ -452,8 +462,10 @@ def paged_attention(
     interpret = interpreting()
     if interpret and interpreter_problem():
         raise RuntimeError(interpreter_problem())
-    cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret) if config is None else config
-    check_config(cfg, group)
+    if config is None:
+        cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret)
+    else:
+        cfg = check_config(config, group)
     block_q = max(1, cfg.block_m // group)
     if num_splits is None:
         num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
