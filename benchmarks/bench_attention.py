@@ -194,10 +194,10 @@ def triton_variants(batch, group: int) -> tuple:
     the current kernel body (page ids a tile ahead, unmasked tiles below the diagonal), which has
     no switch back: stop 41's own kernel is in its committed results, not in this run."""
     from triton_kernels import attention
-    from triton_kernels._common import interpreting
+    from triton_kernels._common import interpreting, max_shared_memory
 
-    head_dim, dtype = batch.q.shape[-1], batch.q.dtype
-    picked = attention.pick_config(batch.max_seqlen_q, group, head_dim, dtype, interpreting())
+    head_dim, dtype, shared = batch.q.shape[-1], batch.q.dtype, max_shared_memory(batch.q.device)
+    picked = attention.pick_config(batch.max_seqlen_q, group, head_dim, dtype, interpreting(), shared)
     candidates = {
         "2-stages": picked._replace(num_stages=2),
         "one-tile": picked._replace(small_m=picked.block_m),

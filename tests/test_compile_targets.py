@@ -28,6 +28,8 @@ SCRIPT = textwrap.dedent(
         "sm90_fp32_d80_g5_p5": (90, fp32, 80, 5, 5, 2, 7),
         "sm90_fp16_d256_g16_p1": (90, fp16, 256, 16, 1, 2, 7),
         "sm90_prefill_d256": (90, bf16, 256, 4, 16, 1, 2048),
+        "sm80_prefill_d256_99k": (80, bf16, 256, 4, 16, 1, 2048, 8, 101376),  # sm_86 / sm_89's limit
+        "sm80_prefill_d128_99k": (80, bf16, 128, 4, 16, 1, 2048, 8, 101376),
     }.items():
         compiled = aot.compile_attention(*args)[1]
         out[name] = aot.resources(compiled) | {"waits": aot.async_waits(compiled)}
@@ -59,5 +61,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     assert res["sm90_prefill"]["mma"] == "HGMMA"  # Hopper wgmma for prefill tiles
     for name in prefill:  # each KV loop's wait leaves the next tile's K and V copies in flight
         assert res[name]["waits"] == ["2", "0"] * 4, (name, res[name]["waits"])
+    for name in ("sm80_prefill_d256_99k", "sm80_prefill_d128_99k"):  # fits a 99 KB device, no spill
+        assert res[name]["shared_bytes"] <= 101376 and res[name]["spill_bytes"] == 0, (name, res[name])
     for name in ("sm90_decode", "sm90_split", "sm80_prefill"):
         assert res[name]["mma"] == "HMMA", (name, res[name])

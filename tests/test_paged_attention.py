@@ -439,8 +439,14 @@ def test_configs_pass_the_checks(device):
             for group in (1, 3, 4, 8, 16, 32):
                 for head_dim in (32, 64, 128, 192, 256):
                     for max_seqlen_q in (1, 3, 2048):
-                        cfg = attention.pick_config(max_seqlen_q, group, head_dim, dtype, interpret)
-                        assert attention.check_config(cfg, group) == cfg
+                        for shared in (101376, 232448):  # sm_89, sm_90
+                            cfg = attention.pick_config(max_seqlen_q, group, head_dim, dtype, interpret, shared)
+                            assert attention.check_config(cfg, group) == cfg
+    # a wide prefill tile runs 3 stages only where they fit (tests/test_compile_targets.py: sizes)
+    assert attention.pick_config(2048, 4, 256, torch.bfloat16, False, 232448).num_stages == 3
+    assert attention.pick_config(2048, 4, 256, torch.bfloat16, False, 101376).num_stages == 2
+    assert attention.pick_config(2048, 4, 128, torch.bfloat16, False, 101376).num_stages == 3
+    assert attention.pick_config(2048, 4, 128, torch.bfloat16, False, 65536).num_stages == 2
     numpy_cfg = attention.AttentionConfig(*(np.int64(v) for v in (32, 16, 1, 1, 16)))
     assert all(type(v) is int for v in attention.check_config(numpy_cfg, 4))
     run_and_check(batch_for([3, 1], [9, 6], torch.float32, device), torch.float32, config=numpy_cfg)

@@ -58,6 +58,16 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on a CUDA device (the limit Triton checks a
+    launch against: 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86 / sm_89); unbounded otherwise."""
+    if device.type != "cuda":
+        return 1 << 30
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
 def check_runnable(*tensors: torch.Tensor) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter."""
     device = tensors[0].device

@@ -71,9 +71,11 @@ def compile_attention(
     num_splits: int,
     max_seqlen_q: int,
     num_kv_heads: int = 8,
+    shared_memory: int = 1 << 30,
 ):
-    """The attention kernel as the launcher configures it for this call shape."""
-    cfg = pick_config(max_seqlen_q, group, head_dim, dtype, interpret=False)
+    """The attention kernel as the launcher configures it for this call shape (on a device that
+    gives a program ``shared_memory`` bytes)."""
+    cfg = pick_config(max_seqlen_q, group, head_dim, dtype, interpret=False, shared_memory=shared_memory)
     elem = "*" + TRITON_TYPES[dtype]
     types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), elem)
     types |= dict.fromkeys(("part_acc_ptr", "part_ml_ptr"), "*fp32")

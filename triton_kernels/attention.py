@@ -49,7 +49,14 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._common import check_runnable, debug_checks, interpreter_problem, interpreting, num_sms
+from triton_kernels._common import (
+    check_runnable,
+    debug_checks,
+    interpreter_problem,
+    interpreting,
+    max_shared_memory,
+    num_sms,
+)
 from triton_kernels.contract import check_paged_attention, check_paged_attention_values
 
 LOG2E = 1.4426950408889634
@@ -357,8 +364,10 @@ class AttentionConfig(NamedTuple):
     small_m: int  # rows of blocks with few query tokens (a mixed launch's decodes); <= block_m
 
 
-def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype, interpret: bool) -> AttentionConfig:
-    """Tile shapes per call shape.
+def pick_config(
+    max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype, interpret: bool, shared_memory: int = 1 << 30
+) -> AttentionConfig:
+    """Tile shapes per call shape; shared_memory is what one program may use on the device (bytes).
 
     Chosen by compiling for sm_90 and sm_80 on a CPU machine (spills, shared memory, the matrix
     instructions used: profiles/compile_report.py), then measured once on an H100, not tuned there
@@ -392,8 +401,11 @@ def pick_config(max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype
     # 3 stages: with page ids loaded a tile ahead, the pipeliner keeps the next tile's K/V copies in
     # flight across the wait (with 2, each tile waited for every copy). 8 warps: at 4, wide heads
     # spill on sm_90 with 3 stages (Triton 3.6: 16 B at D 256, 24 B at D 192; 3.9: 32 B at D 256).
+    # On sm_8x, 3 stages take 96 KB (D <= 128) or 100 KB (wider), 2 take 64 or 68 KB: a device
+    # with less (sm_86 / sm_89: 99 KB, sm_75: 64 KB) gets 2 (sm_90 takes 128 KB, and has 227).
+    stages = 3 if shared_memory >= (100 if wide else 96) * 1024 else 2
     block_m = max(group_rows, 64 if wide else 128)
-    return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8, num_stages=3, small_m=group_rows)
+    return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8, num_stages=stages, small_m=group_rows)
 
 
 def check_config(cfg: AttentionConfig, group: int) -> AttentionConfig:
@@ -463,7 +475,7 @@ def paged_attention(
     if interpret and interpreter_problem():
         raise RuntimeError(interpreter_problem())
     if config is None:
-        cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret)
+        cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret, max_shared_memory(q.device))
     else:
         cfg = check_config(config, group)
     block_q = max(1, cfg.block_m // group)
