@@ -151,8 +151,12 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
             row["variants"] = {}
             for name, cfg in variants.items():
                 run = lambda c=cfg: triton_kernels.paged_attention(*batch.args(), out=out, config=c)  # noqa: E731
-                err = relative_error(run(), ref)
-                row["variants"][name] = dict(config=cfg._asdict(), ms=bench(run), rel_err_vs_fp64=err)
+                try:  # a variant that fails (compile, resources) is reported; the case goes on
+                    err = relative_error(run(), ref)
+                    row["variants"][name] = dict(config=cfg._asdict(), ms=bench(run), rel_err_vs_fp64=err)
+                except Exception as exc:  # noqa: BLE001
+                    row["variants"][name] = dict(config=cfg._asdict(), error=f"{type(exc).__name__}: {exc}"[:300])
+                    print(f"skip triton variant {name} (case {case.name}): {row['variants'][name]['error']}")
         if cuda_backend.available():
             theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
             row["cuda_ms"] = bench(theirs)
@@ -639,6 +643,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['case']} | picked | {tile(r['triton_config'])} | {r['ms']:.4f} | 1.00 | "
                          f"{r['rel_err_vs_fp64']:.1e} |")  # fmt: skip
             for name, v in r["variants"].items():
+                if "error" in v:
+                    lines.append(f"| {r['case']} | {name} | {tile(v['config'])} | failed: {v['error'][:80]} | - | - |")
+                    continue
                 lines.append(
                     f"| {r['case']} | {name} | {tile(v['config'])} | {v['ms']:.4f} | {r['ms'] / v['ms']:.2f} | "
                     f"{v['rel_err_vs_fp64']:.1e} |"

@@ -47,6 +47,28 @@ def test_bench_attention_smoke(tmp_path):
     assert "| a |" in (tmp_path / "attention_smoke.md").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_a_failing_variant_is_reported(tmp_path, monkeypatch):
+    """A Triton tile variant that fails (a compile or resource error on some device) is listed as
+    failed; the case's own row and the other variants are kept."""
+    import triton_kernels
+
+    bench = load_bench()
+    real = triton_kernels.paged_attention
+
+    def paged_attention(*args, config=None, **kwargs):
+        if config is not None and config.num_stages == 2:
+            raise RuntimeError("out of resources: shared memory")
+        return real(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "paged_attention", paged_attention)
+    report = bench.main(["--smoke", "--cases", "a", "--triton-variants", "--no-torch", "--out", str(tmp_path)])
+    variants = report["rows"][0]["variants"]
+    assert variants["2-stages"]["error"] == "RuntimeError: out of resources: shared memory"
+    assert report["rows"][0]["ms"] > 0 and variants["3-stages"]["ms"] > 0
+    assert "| a | 2-stages | 16/16/16/1/2 | failed: RuntimeError" in (tmp_path / "attention_smoke.md").read_text()
+
+
 def test_flop_and_byte_counts():
     bench = load_bench()
     # one fresh 3-token prompt: queries see 1, 2, 3 keys
