@@ -363,6 +363,10 @@ class AttentionConfig(NamedTuple):
     num_stages: int
     small_m: int  # rows of blocks with few query tokens (a mixed launch's decodes); <= block_m
 
+    def tokens(self, group: int) -> tuple[int, int]:
+        """Query tokens per big and per small block (BLOCK_Q, SMALL_Q): each token takes group rows."""
+        return max(1, self.block_m // group), max(1, self.small_m // group)
+
 
 def pick_config(
     max_seqlen_q: int, group: int, head_dim: int, dtype: torch.dtype, interpret: bool, shared_memory: int = 1 << 30
@@ -478,7 +482,7 @@ def paged_attention(
         cfg = pick_config(max_seqlen_q, group, dims.head_dim, q.dtype, interpret, max_shared_memory(q.device))
     else:
         cfg = check_config(config, group)
-    block_q = max(1, cfg.block_m // group)
+    block_q, small_q = cfg.tokens(group)
     if num_splits is None:
         num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
     if not (1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0):
@@ -526,7 +530,7 @@ def paged_attention(
         BLOCK_M=cfg.block_m,
         BLOCK_Q=block_q,
         SMALL_M=cfg.small_m,
-        SMALL_Q=max(1, cfg.small_m // group),
+        SMALL_Q=small_q,
         TILE_N=cfg.tile_n,
         PAGE_SIZE=dims.page_size,
         NUM_SPLITS=num_splits,
