@@ -101,6 +101,13 @@ template <bool Trans> __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4],
   emu::ldmatrix_x4(r, row, Trans);
 }
 
+// 2^x as the GPU's ex2.approx.ftz computes it where it matters here: results below the smallest
+// normal float are 0 (the approximation error, about 2 ulp, is not modelled).
+__device__ __forceinline__ float fast_exp2(float x) {
+  const float y = std::exp2(x);
+  return y < 1.17549435e-38f ? 0.f : y;
+}
+
 #define ME_HAS_WGMMA 1
 template <int N, typename R> __device__ __forceinline__ void fence_registers(R*) {}
 __device__ __forceinline__ uint32_t smem_address(const void* p) { return emu::shared_address(p); }
@@ -120,6 +127,15 @@ __device__ __forceinline__ void wgmma_m64k16(float d[N / 2], const uint32_t a[4]
 
 template <typename V> __device__ __forceinline__ void copy_global(void* dst, const void* src) {
   *reinterpret_cast<V*>(dst) = *reinterpret_cast<const V*>(src);
+}
+
+// 2^x in one MUFU.EX2 (exp2f adds range fix-ups for denormal results, 4 instructions in all):
+// about 2 ulp of error, results below the smallest normal float flushed to 0. Softmax weights that
+// small (2^-126 of the row's largest) change nothing in a sum that holds a 1.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Raises a kernel's dynamic shared-memory limit past the default 48 KB, once per (kernel, device).
@@ -300,6 +316,12 @@ __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t address, uint32_t 
   return static_cast<uint64_t>((address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading >> 4) << 16) |
          (static_cast<uint64_t>(stride >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
+
+// The descriptor of an operand `bytes` (a multiple of 16) past desc's: one add to the start address
+// field (bits 0-13, in 16-byte units), which cannot carry out of it while the address stays inside
+// the 256 KB window it covers (shared memory is at most 228 KB). Building each descriptor anew costs
+// about 8 uniform-datapath instructions.
+__device__ __forceinline__ uint64_t descriptor_plus(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 #ifdef MINENGINE_EMULATE
 inline void check_launch(const char*) {}  // emulated launches throw their own errors

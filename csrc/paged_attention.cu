@@ -6,10 +6,12 @@
 //   `group` query heads that share a KV head fill the rows of a decode (GQA packing). Each warp owns
 //   16 rows; Q stays in registers as mma A fragments; K/V tiles stream through shared memory with
 //   cp.async (double-buffered where it fits) and reach B fragments by ldmatrix (.trans for V). Each
-//   key's page is looked up in the block table, so any page size works; keys past the causal limit,
-//   the split's range or seq_len are never read (the copy zero-fills) and are masked to -inf.
-//   Online softmax in fp32 (log2 domain); P is reused from the S accumulators as the A operand of
-//   P @ V.
+//   key's page is looked up in the block table, so any page size works: one thread per key and
+//   K/V row, two stages ahead of the copies, into shared memory (lookup_key); keys past the causal
+//   limit, the split's range or seq_len are never read (the copy zero-fills) and are masked to
+//   -inf, only in stages that some row of the tile does not see whole (full_hi).
+//   Online softmax in fp32 (log2 domain, one FFMA and one ex2.approx per weight); P is reused from
+//   the S accumulators as the A operand of P @ V.
 //   One launch holds two tile shapes, POD-style: blocks [0, prefill_blocks) run 64-row tiles (4 warps
 //   along rows sharing each 64-key tile) over sequences with more than 16 rows; the next num_seqs
 //   blocks run one 16-row tile per remaining sequence (decodes and tiny chunks), its 4 warps
@@ -159,7 +161,8 @@ struct MmaParams {
   int num_seqs, num_tokens, num_q_heads, group, head_dim, num_splits, prefill_blocks;
   FastDiv page;  // page_size
   int64_t sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, so_t, so_h, sbt;
-  float scale_log2;  // softmax_scale * log2(e)
+  float scale_log2;  // |softmax_scale| * log2(e)
+  uint32_t q_sign;   // 0x80008000 for a negative softmax_scale: Q's signs flipped (exact) as it loads
 };
 
 // Tile shapes for a head dim padded to D (64, 128 or 256): keys per stage and pipeline depth of
@@ -175,24 +178,37 @@ template <int D> struct MmaShape {
 // 128B-swizzled atoms, plus up to 1 KB to align the first atom to 1024 bytes.
 constexpr int kWgmmaKeys = 64, kWgmmaStages = 2;
 
-template <typename T, int D, int KEYS, int STAGES> constexpr size_t kv_smem_bytes() {
+template <typename T, int D, int KEYS, int STAGES> __host__ __device__ constexpr size_t kv_smem_bytes() {
   return static_cast<size_t>(2) * STAGES * KEYS * MmaShape<D>::kPitch * sizeof(T);
 }
 
-constexpr size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+__host__ __device__ constexpr size_t max3(size_t a, size_t b, size_t c) {
+  return a > b ? (a > c ? a : c) : (b > c ? b : c);
+}
 
-template <typename T, int D, bool WG> constexpr size_t mma_smem_bytes() {
+// Key offsets (lookup_key, store_key below): two stages of [keys][K, V] int64 entries, up to 64 keys.
+constexpr int kMaxStageKeys = 64;
+constexpr size_t kOffsetBytes = sizeof(int64_t) * 2 * 2 * kMaxStageKeys;
+
+// The K/V stages (or the decode tiles' merge buffers) from the start of shared memory, then the key
+// offsets at mma_offsets_at.
+template <typename T, int D, bool WG> __host__ __device__ constexpr size_t mma_offsets_at() {
   constexpr size_t prefill = WG ? static_cast<size_t>(2) * kWgmmaStages * kWgmmaKeys * D * sizeof(T) + 1024
                                 : kv_smem_bytes<T, D, MmaShape<D>::kPrefillKeys, MmaShape<D>::kPrefillStages>();
   constexpr size_t decode = kv_smem_bytes<T, D, MmaShape<D>::kDecodeKeys, MmaShape<D>::kDecodeStages>();
   constexpr size_t merge = sizeof(float) * 4 * 16 * (D + 2);  // decode tiles: 4 warps' partials
-  return max3(prefill, decode, merge);
+  return (max3(prefill, decode, merge) + 15) / 16 * 16;
+}
+template <typename T, int D, bool WG> constexpr size_t mma_smem_bytes() {
+  return mma_offsets_at<T, D, WG>() + kOffsetBytes;
 }
 
 // The rows and keys of one tile of BM rows of sequence `seq`, starting at row tile * BM, and the two
 // rows of this thread: r = row0 + wm * 16 + g (+ 8).
+// Keys [0, full_hi) are seen by every row of the tile (the first row's causal limit, the split's end):
+// stages below it need no mask.
 struct TileRows {
-  int q_start, n_rows, row0, key_hi, stage_lo, stage_hi;
+  int q_start, n_rows, row0, key_hi, full_hi, stage_lo, stage_hi;
   int pos[2], tok[2], head[2];  // query position (-1: an invalid row, which sees no key), token, head
   bool valid[2];
 };
@@ -213,6 +229,8 @@ __device__ __forceinline__ bool tile_rows(const MmaParams& p, int seq, int tile,
   r.stage_lo = split * per_split;
   r.stage_hi = r.stage_lo + per_split < num_stages ? r.stage_lo + per_split : num_stages;
   r.key_hi = r.stage_hi * KEYS < kv_end ? r.stage_hi * KEYS : kv_end;
+  const int first_sees = ctx + r.row0 / p.group + 1;
+  r.full_hi = first_sees < r.key_hi ? first_sees : r.key_hi;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = r.row0 + wm * 16 + g + 8 * i;
@@ -225,7 +243,7 @@ __device__ __forceinline__ bool tile_rows(const MmaParams& p, int seq, int tile,
 }
 
 // The start of a tile: Q of this thread's rows as mma A fragments (the same layout serves mma.sync
-// and wgmma), zero accumulators, running max -inf and sum 0.
+// and wgmma; signs flipped for a negative scale), zero accumulators, running max -inf and sum 0.
 template <typename T, int D>
 __device__ __forceinline__ void start_tile(const MmaParams& p, const TileRows& r, int t, uint32_t qf[D / 16][4],
                                            float acc[D / 8][4], float m[2], float l[2]) {
@@ -241,21 +259,54 @@ __device__ __forceinline__ void start_tile(const MmaParams& p, const TileRows& r
       const int i = j & 1, d = kk * 16 + 2 * t + (j >= 2 ? 8 : 0);
       qf[kk][j] = 0u;
       if (r.valid[i] && d < p.head_dim) {
-        qf[kk][j] = *reinterpret_cast<const uint32_t*>(q + static_cast<int64_t>(r.tok[i]) * p.sq_t +
-                                                       static_cast<int64_t>(r.head[i]) * p.sq_h + d);
+        qf[kk][j] = p.q_sign ^ *reinterpret_cast<const uint32_t*>(q + static_cast<int64_t>(r.tok[i]) * p.sq_t +
+                                                                  static_cast<int64_t>(r.head[i]) * p.sq_h + d);
       }
     }
   }
 }
 
-// K/V rows [stage * KEYS, + KEYS) into shared memory, the 16-byte chunk (row, c) at element offset
-// place(row, c) of ks and vs. Thread i copies chunk i % CHUNKS of rows i / CHUNKS + j * ROWS,
-// unrolled so that its page lookups are independent loads in flight together. Keys at or past key_hi
-// are zero-filled without a read; chunks past head_dim are skipped (ZERO_PAD false: never read back)
-// or zero-filled (ZERO_PAD true: read by whole 64-dim wgmma operands).
+// Where the keys of a stage live, looked up an iteration before their copies are issued (two stages
+// ahead of the math). Entry e of a stage is the element offset, from the KV head's base, of key
+// stage * KEYS + e / 2's K row (e even) or V row (e odd), or -1 for a key at or past key_hi (not
+// read). Thread e computes entry e in two steps: lookup_key issues its block-table read (keys past
+// key_hi read nothing), store_key writes the entry once the read has landed; between them the tile
+// computes a stage, which hides the read's latency. The copies then read their rows' offsets from
+// shared memory: one table read per key and K/V row instead of one per 16-byte chunk, and no
+// global load in front of the copies.
+struct KeyLookup {
+  int page = -1, slot = 0;  // page -1: no entry here or the key is past key_hi
+};
+
+template <int KEYS>
+__device__ __forceinline__ KeyLookup lookup_key(const MmaParams& p, const int32_t* table, int stage, int key_hi) {
+  static_assert(2 * KEYS <= kThreads && KEYS <= kMaxStageKeys, "one entry per thread");
+  KeyLookup k;
+  const int key = stage * KEYS + static_cast<int>(threadIdx.x) / 2;
+  if (threadIdx.x < 2 * KEYS && key < key_hi) {
+    const int index = p.page.div(key);
+    k.page = table[index];
+    k.slot = key - index * static_cast<int>(p.page.divisor);
+  }
+  return k;
+}
+
+template <int KEYS>
+__device__ __forceinline__ void store_key(const MmaParams& p, const KeyLookup& k, int64_t* offsets) {
+  if (threadIdx.x >= 2 * KEYS) return;
+  const bool v = threadIdx.x & 1;
+  offsets[threadIdx.x] = k.page < 0 ? -1
+                                    : static_cast<int64_t>(k.page) * (v ? p.sv_p : p.sk_p) +
+                                          static_cast<int64_t>(k.slot) * (v ? p.sv_s : p.sk_s);
+}
+
+// K/V rows [stage * KEYS, + KEYS) into shared memory from their offsets (store_key), the 16-byte
+// chunk (row, c) at element offset place(row, c) of ks and vs. Thread i copies chunk i % CHUNKS of
+// rows i / CHUNKS + j * ROWS. Keys with offset -1 are zero-filled without a read; chunks past
+// head_dim are skipped (ZERO_PAD false: never read back) or zero-filled (ZERO_PAD true: read by
+// whole 64-dim wgmma operands).
 template <typename T, int D, int KEYS, bool ZERO_PAD, typename Place>
-__device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int32_t* table, int stage, int key_hi, T* ks,
-                                              T* vs, Place place) {
+__device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int64_t* offsets, T* ks, T* vs, Place place) {
   constexpr int CHUNKS = D / 8, ROWS = kThreads / CHUNKS;
   static_assert(kThreads % CHUNKS == 0 && KEYS % ROWS == 0, "whole rows per pass, whole passes per stage");
   const int c = threadIdx.x % CHUNKS, row0 = threadIdx.x / CHUNKS;
@@ -264,21 +315,15 @@ __device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int32_t*
   const int64_t kv_head = blockIdx.y;
   const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * p.sk_h + c * 8;
   const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * p.sv_h + c * 8;
-#pragma unroll 4  // 4 page lookups in flight; 8 cost the wgmma tile 4 registers
+  const longlong2* pairs = reinterpret_cast<const longlong2*>(offsets);
+#pragma unroll
   for (int j = 0; j < KEYS / ROWS; ++j) {
-    const int row = row0 + j * ROWS, key = stage * KEYS + row;
-    const bool live = in_dim && key < key_hi;
-    const T* ksrc = k_head;
-    const T* vsrc = v_head;
-    if (live) {
-      const int index = p.page.div(key);
-      const int64_t page = table[index], slot = key - index * static_cast<int>(p.page.divisor);
-      ksrc = k_head + page * p.sk_p + slot * p.sk_s;
-      vsrc = v_head + page * p.sv_p + slot * p.sv_s;
-    }
+    const int row = row0 + j * ROWS;
+    const longlong2 at_kv = pairs[row];
+    const bool live = in_dim && at_kv.x >= 0;
     const int at = place(row, c);
-    cp_async_16(ks + at, ksrc, live ? 16 : 0);
-    cp_async_16(vs + at, vsrc, live ? 16 : 0);
+    cp_async_16(ks + at, live ? k_head + at_kv.x : k_head, live ? 16 : 0);
+    cp_async_16(vs + at, live ? v_head + at_kv.y : v_head, live ? 16 : 0);
   }
 }
 
@@ -294,18 +339,22 @@ template <int KEYS> struct Swizzle128 {
   }
 };
 
-// Causal / range mask of S (NT 8-key tiles starting at key0, in the mma accumulator layout), then
-// the online-softmax update of this thread's two rows: S becomes P, acc and l are rescaled.
-template <int NT, int ND>
+// The online-softmax update of this thread's two rows over S (NT 8-key tiles starting at key0, in the
+// mma accumulator layout): S becomes P, acc and l are rescaled. m is the running max in the log2
+// domain (of scale_log2 * S), so each weight is one FFMA and one ex2: 2^(S scale_log2 - m), with
+// scale_log2 >= 0 (start_tile folds a negative scale into Q's sign). MASKED: keys at or past key_hi
+// or after a row's position weigh 0; without it every key counts (stages below full_hi).
+template <int NT, int ND, bool MASKED>
 __device__ __forceinline__ void online_softmax(const MmaParams& p, const TileRows& r, int key0, int t, float s[NT][4],
                                                float acc[ND][4], float m[2], float l[2]) {
+  if constexpr (MASKED) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int key = key0 + nt * 8 + 2 * t + (j & 1);
-      const bool seen = key < r.key_hi && key <= r.pos[j >> 1];
-      s[nt][j] = seen ? s[nt][j] * p.scale_log2 : -INFINITY;
+      for (int j = 0; j < 4; ++j) {
+        const int key = key0 + nt * 8 + 2 * t + (j & 1);
+        if (!(key < r.key_hi && key <= r.pos[j >> 1])) s[nt][j] = -INFINITY;
+      }
     }
   }
 #pragma unroll
@@ -315,9 +364,10 @@ __device__ __forceinline__ void online_softmax(const MmaParams& p, const TileRow
     for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[i], mx);
+    // fmaxf drops a NaN: mx * scale_log2 is one for a row with no key here under a zero scale
+    const float m_new = fmaxf(m[i], mx * p.scale_log2);
     const float base = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = exp2f(m[i] - base);
+    const float alpha = fast_exp2(m[i] - base);
     m[i] = m_new;
     l[i] *= alpha;
 #pragma unroll
@@ -327,10 +377,24 @@ __device__ __forceinline__ void online_softmax(const MmaParams& p, const TileRow
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
-      s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
-      l[i] += s[nt][2 * i] + s[nt][2 * i + 1];
+#pragma unroll
+      for (int j = 2 * i; j < 2 * i + 2; ++j) {
+        const float w = fast_exp2(fmaf(s[nt][j], p.scale_log2, -base));
+        s[nt][j] = MASKED && s[nt][j] == -INFINITY ? 0.f : w;  // -inf * 0 (a zero scale) is NaN
+        l[i] += s[nt][j];
+      }
     }
+  }
+}
+
+// online_softmax without masks for stages every row sees whole (key0 + KW <= full_hi), else with.
+template <int NT, int ND>
+__device__ __forceinline__ void softmax_stage(const MmaParams& p, const TileRows& r, int key0, int t, float s[NT][4],
+                                              float acc[ND][4], float m[2], float l[2]) {
+  if (key0 + NT * 8 <= r.full_hi) {
+    online_softmax<NT, ND, false>(p, r, key0, t, s, acc, m, l);
+  } else {
+    online_softmax<NT, ND, true>(p, r, key0, t, s, acc, m, l);
   }
 }
 
@@ -384,10 +448,22 @@ __device__ __forceinline__ void store_rows(const MmaParams& p, const TileRows& r
   }
 }
 
+// The key offsets of a tile's first two stages (the loop then stores each stage's two ahead), published
+// by a barrier before the first copy reads them.
+template <int KEYS, typename StageOffsets>
+__device__ __forceinline__ void start_offsets(const MmaParams& p, const int32_t* table, const TileRows& r,
+                                              StageOffsets stage_offsets) {
+  const KeyLookup first = lookup_key<KEYS>(p, table, r.stage_lo, r.key_hi);
+  const KeyLookup second = lookup_key<KEYS>(p, table, r.stage_lo + 1, r.key_hi);
+  store_key<KEYS>(p, first, stage_offsets(r.stage_lo));
+  store_key<KEYS>(p, second, stage_offsets(r.stage_lo + 1));
+  __syncthreads();
+}
+
 // One tile of BM = 16 * WM rows of sequence `seq` on mma.sync; WN warps split each stage's KEYS
 // keys (WM * WN = 4 warps).
 template <typename T, int D, int WM, int WN, int KEYS, int STAGES>
-__device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq, int tile) {
+__device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t* offsets, int seq, int tile) {
   constexpr int BM = 16 * WM, KW = KEYS / WN, LD = MmaShape<D>::kPitch;
   static_assert(WM * WN == kThreads / 32 && KW % 16 == 0, "tile shape");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -401,15 +477,18 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
   T* ks = reinterpret_cast<T*>(smem);  // [STAGES][KEYS][LD]
   T* vs = ks + STAGES * KEYS * LD;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
+  auto stage_offsets = [&](int stage) { return offsets + ((stage - r.stage_lo) & 1) * 2 * KEYS; };
   auto load_stage = [&](int stage, int buf) {
-    load_kv_stage<T, D, KEYS, false>(p, table, stage, r.key_hi, ks + buf * KEYS * LD, vs + buf * KEYS * LD,
+    load_kv_stage<T, D, KEYS, false>(p, stage_offsets(stage), ks + buf * KEYS * LD, vs + buf * KEYS * LD,
                                      RowMajor<LD>{});
   };
 
+  start_offsets<KEYS>(p, table, r, stage_offsets);
   if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
   cp_async_commit();
   for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
     const int buf = (stage - r.stage_lo) % STAGES;
+    const KeyLookup ahead = lookup_key<KEYS>(p, table, stage + 2, r.key_hi);
     if (STAGES > 1) {
       if (stage + 1 < r.stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
       cp_async_commit();
@@ -437,7 +516,11 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
         mma_16816<T>(s[nt + 1], qf[kk], b1);
       }
     }
-    online_softmax<KW / 8, D / 8>(p, r, stage * KEYS + wn * KW, t, s, acc, m, l);
+    if constexpr (WN == 1) {  // 64-row tiles mask every stage: the branch costs 12 registers (D 128: 180 > 168)
+      online_softmax<KW / 8, D / 8, true>(p, r, stage * KEYS, t, s, acc, m, l);
+    } else {
+      softmax_stage<KW / 8, D / 8>(p, r, stage * KEYS + wn * KW, t, s, acc, m, l);
+    }
 
     // O += P V: P's accumulators become A fragments (16 keys = two 8-key tiles).
 #pragma unroll
@@ -454,7 +537,8 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
         mma_16816<T>(acc[dn + 1], a, b1);
       }
     }
-    __syncthreads();  // the buffer is refilled next
+    store_key<KEYS>(p, ahead, stage_offsets(stage + 2));  // stage's own entries are read: reuse them
+    __syncthreads();  // the buffer is refilled next; the entries are published
     if (STAGES == 1 && stage + 1 < r.stage_hi) {
       load_stage(stage + 1, 0);
       cp_async_commit();
@@ -524,7 +608,7 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int seq
 // each stage issues D / 16 wgmmas of N = 64 keys for S and 4 of N = D dims for P V, waiting for each
 // group before the softmax reads S or the next stage rescales O.
 template <typename T, int D>
-__device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int seq, int tile) {
+__device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64_t* offsets, int seq, int tile) {
   constexpr int KEYS = kWgmmaKeys, STAGES = kWgmmaStages;
   constexpr uint32_t ATOMS = KEYS * 128, STAGE_BYTES = ATOMS * (D / 64);  // bytes per 64-dim block, per stage
   static_assert(D % 64 == 0 && D <= 128, "wgmma tile head dims");
@@ -537,17 +621,22 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int s
 
   T* ks = reinterpret_cast<T*>(smem + ((1024u - (smem_address(smem) & 1023u)) & 1023u));  // [STAGES][D/64][KEYS][64]
   T* vs = ks + STAGES * STAGE_BYTES / sizeof(T);
-  const uint32_t k_address = smem_address(ks), v_address = smem_address(vs);
+  // Descriptors of stage buffer 0's first K and V operands; the others are these plus a byte offset.
+  const uint64_t k_desc0 = sw128_descriptor(smem_address(ks), 16, 1024);
+  const uint64_t v_desc0 = sw128_descriptor(smem_address(vs), ATOMS, 1024);
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
+  auto stage_offsets = [&](int stage) { return offsets + ((stage - r.stage_lo) & 1) * 2 * KEYS; };
   auto load_stage = [&](int stage, int buf) {
     const int at = buf * STAGE_BYTES / sizeof(T);
-    load_kv_stage<T, D, KEYS, true>(p, table, stage, r.key_hi, ks + at, vs + at, Swizzle128<KEYS>{});
+    load_kv_stage<T, D, KEYS, true>(p, stage_offsets(stage), ks + at, vs + at, Swizzle128<KEYS>{});
   };
 
+  start_offsets<KEYS>(p, table, r, stage_offsets);
   if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
   cp_async_commit();
   for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
     const int buf = (stage - r.stage_lo) % STAGES;
+    const KeyLookup ahead = lookup_key<KEYS>(p, table, stage + 2, r.key_hi);
     if (stage + 1 < r.stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
     cp_async_commit();
     cp_async_wait<1>();
@@ -557,8 +646,9 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int s
     // S = Q K^T: k-step kk reads dims [16 kk, 16 kk + 16) of all 64 keys (32 bytes into the atom row);
     // the first overwrites S (scale-d 0), so S needs no zero fill.
     float s[KEYS / 8][4];
-    const uint32_t k_stage = k_address + buf * STAGE_BYTES, v_stage = v_address + buf * STAGE_BYTES;
-    auto k_desc = [&](int kk) { return sw128_descriptor(k_stage + (kk / 4) * ATOMS + (kk % 4) * 32, 16, 1024); };
+    const uint64_t k_stage = descriptor_plus(k_desc0, buf * STAGE_BYTES);
+    const uint64_t v_stage = descriptor_plus(v_desc0, buf * STAGE_BYTES);
+    auto k_desc = [&](int kk) { return descriptor_plus(k_stage, (kk / 4) * ATOMS + (kk % 4) * 32); };
     fence_registers<D / 4>(&qf[0][0]);
     wgmma_fence();
     wgmma_m64k16<T, KEYS, 0, false>(&s[0][0], qf[0], k_desc(0));
@@ -569,7 +659,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int s
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers<KEYS / 2>(&s[0][0]);  // S is read only after the wait
-    online_softmax<KEYS / 8, D / 8>(p, r, stage * KEYS, t, s, acc, m, l);
+    softmax_stage<KEYS / 8, D / 8>(p, r, stage * KEYS, t, s, acc, m, l);
 
     // O += P V: k-step kc reads keys [16 kc, 16 kc + 16) of all D dims, N-major: 64-dim atoms LBO
     // apart, 8-key row groups SBO apart. All of P is packed first: registers written between the
@@ -582,12 +672,13 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int s
     wgmma_fence();
 #pragma unroll
     for (int kc = 0; kc < KEYS / 16; ++kc) {
-      wgmma_m64k16<T, D, 1, true>(&acc[0][0], pf[kc], sw128_descriptor(v_stage + kc * 16 * 128, ATOMS, 1024));
+      wgmma_m64k16<T, D, 1, true>(&acc[0][0], pf[kc], descriptor_plus(v_stage, kc * 16 * 128));
     }
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers<D / 2>(&acc[0][0]);
-    __syncthreads();  // the buffer is refilled next
+    store_key<KEYS>(p, ahead, stage_offsets(stage + 2));  // stage's own entries are read: reuse them
+    __syncthreads();  // the buffer is refilled next; the entries are published
   }
   quad_sum(l);
   store_rows<T, D>(p, r, t, acc, m, l);
@@ -603,6 +694,8 @@ template <typename T, int D, bool WG>
 __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const MmaParams p) {
   ME_DYNAMIC_SMEM(smem);
   using S = MmaShape<D>;
+  constexpr size_t offsets_at = mma_offsets_at<T, D, WG>();
+  int64_t* offsets = reinterpret_cast<int64_t*>(smem + offsets_at);
   const int bid = blockIdx.x;
   if (bid < p.prefill_blocks) {
     // The last b with cu[b] * group / 64 + b <= bid (strictly increasing in b).
@@ -614,15 +707,15 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const MmaParams
     if (decode_kind(p, lo)) return;
     const int tile = bid - static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group / 64) - lo;
     if constexpr (WG) {
-      wgmma_tile<T, D>(p, smem, lo, tile);
+      wgmma_tile<T, D>(p, smem, offsets, lo, tile);
     } else {
-      mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, lo, tile);
+      mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, offsets, lo, tile);
     }
     return;
   }
   const int seq = bid - p.prefill_blocks;
   if (seq < p.num_seqs) {
-    if (decode_kind(p, seq)) mma_tile<T, D, 1, 4, S::kDecodeKeys, S::kDecodeStages>(p, smem, seq, 0);
+    if (decode_kind(p, seq)) mma_tile<T, D, 1, 4, S::kDecodeKeys, S::kDecodeStages>(p, smem, offsets, seq, 0);
     return;
   }
   // Padding rows past cu[num_seqs] are zeros: the last block of each (KV head, split) writes its KV
@@ -811,7 +904,8 @@ void paged_attention(const PagedAttentionArgs& a) {
                          : 0;
   p.sq_t = a.sq_t, p.sq_h = a.sq_h, p.sk_p = a.sk_p, p.sk_s = a.sk_s, p.sk_h = a.sk_h;
   p.sv_p = a.sv_p, p.sv_s = a.sv_s, p.sv_h = a.sv_h, p.so_t = a.so_t, p.so_h = a.so_h, p.sbt = a.sbt;
-  p.scale_log2 = static_cast<float>(a.softmax_scale) * kLog2e;
+  p.scale_log2 = static_cast<float>(std::fabs(a.softmax_scale)) * kLog2e;
+  p.q_sign = a.softmax_scale < 0 ? 0x80008000u : 0u;
   if (a.dtype == kFloat16) launch_mma<__half>(a, p, wgmma, stream);
   else launch_mma<__nv_bfloat16>(a, p, wgmma, stream);
 }

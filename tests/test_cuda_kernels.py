@@ -140,6 +140,46 @@ def test_wgmma_prefill_tiles(head_dim, dtype, dev):
         assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
 
 
+@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+@pytest.mark.parametrize("scale", [0.37, -0.2, 0.0])
+def test_softmax_scales_on_tensor_cores(impl, scale, dev):
+    """The tensor-core tiles take the max of the raw scores and fold the scale into each weight's
+    exponent, so a negative scale must flip Q's signs and a zero one (uniform weights over the keys
+    a row sees) must not turn a masked key's -inf * 0 into NaN: prefill and decode tiles, masked
+    and unmasked stages."""
+    if impl == "wgmma":
+        needs_wgmma(dev)
+    batch = batch_for([70, 1, 3], [200, 150, 9], torch.bfloat16, dev, num_tokens=76)
+    check(batch, torch.bfloat16, impl=impl, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+def test_unmasked_stages_end_where_the_first_row_stops_seeing(impl, dev):
+    """Stages that every row of a tile sees whole skip the causal mask. Each sequence here puts a
+    tile's first token one key before, at, or one key after the end of a 64-key prefill stage or a
+    16-key decode warp slice, so a bound one key too generous or too strict fails."""
+    if impl == "wgmma":
+        needs_wgmma(dev)
+    ctx = [62, 63, 64, 46, 47, 48, 30, 31, 32, 14, 15, 16]
+    q_lens = [20, 20, 20, 20, 20, 20, 3, 3, 3, 1, 1, 1]  # group 4: 16 tokens per 64-row tile
+    batch = batch_for(q_lens, [c + q for c, q in zip(ctx, q_lens, strict=True)], torch.bfloat16, dev)
+    check(batch, torch.bfloat16, impl=impl)
+
+
+@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+def test_a_late_dominant_key_rescales_its_rows(impl, dev):
+    """A key 40 times longer than the rest, in a late stage, raises its rows' max far past
+    anything before it: fp16 P overflows unless acc and l are rescaled to the new max (prefill and
+    decode tiles)."""
+    if impl == "wgmma":
+        needs_wgmma(dev)
+    batch = batch_for([70, 1], [200, 150], torch.float16, dev)
+    for seq, key in ((0, 150), (1, 100)):
+        page = int(batch.block_tables[seq, key // 16])
+        batch.k_cache[page, key % 16] *= 40
+    check(batch, torch.float16, impl=impl)
+
+
 def test_wgmma_refuses_what_it_cannot_run(dev):
     batch = batch_for([20], [20], torch.bfloat16, dev, d=256)
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev) != (9, 0):
