@@ -7,11 +7,12 @@
 //   16 rows; Q stays in registers as mma A fragments; K/V tiles stream through shared memory with
 //   cp.async (double-buffered where it fits) and reach B fragments by ldmatrix (.trans for V). Each
 //   key's page is looked up in the block table, so any page size works: one thread per key and
-//   K/V row, two stages ahead of the copies, into shared memory (lookup_key); keys past the causal
-//   limit, the split's range or seq_len are never read (the copy zero-fills) and are masked to
-//   -inf, only in stages that some row of the tile does not see whole (full_hi).
-//   Online softmax in fp32 (log2 domain, one FFMA and one ex2.approx per weight); P is reused from
-//   the S accumulators as the A operand of P @ V.
+//   K/V row, into shared memory an iteration before the copies (two stages ahead of the math;
+//   lookup_key); keys past the causal limit, the split's range or seq_len are never read (the copy
+//   zero-fills) and are masked to -inf: in every stage of the 64-row mma.sync tile, and elsewhere
+//   only in stages that some row of the tile does not see whole (full_hi).
+//   Online softmax in fp32 (log2 domain; in unmasked stages one FFMA and one ex2.approx per
+//   weight); P is reused from the S accumulators as the A operand of P @ V.
 //   One launch holds two tile shapes, POD-style: blocks [0, prefill_blocks) run 64-row tiles (4 warps
 //   along rows sharing each 64-key tile) over sequences with more than 16 rows; the next num_seqs
 //   blocks run one 16-row tile per remaining sequence (decodes and tiny chunks), its 4 warps
@@ -274,6 +275,8 @@ __device__ __forceinline__ void start_tile(const MmaParams& p, const TileRows& r
 // computes a stage, which hides the read's latency. The copies then read their rows' offsets from
 // shared memory: one table read per key and K/V row instead of one per 16-byte chunk, and no
 // global load in front of the copies.
+// The -1 sentinel relies on offsets >= 0: page ids are (the contract; MINENGINE_KERNEL_DEBUG checks
+// them) and so are the strides, which come from torch tensors.
 struct KeyLookup {
   int page = -1, slot = 0;  // page -1: no entry here or the key is past key_hi
 };
@@ -453,6 +456,16 @@ __device__ __forceinline__ void store_rows(const MmaParams& p, const TileRows& r
 template <int KEYS, typename StageOffsets>
 __device__ __forceinline__ void start_offsets(const MmaParams& p, const int32_t* table, const TileRows& r,
                                               StageOffsets stage_offsets) {
+#ifdef MINENGINE_EMULATE
+  // The emulator fills shared memory with 0xff bytes, which read as offset -1 (skip the key): poison
+  // the entries with an offset far outside the caches first, so a copy that reads one before it is
+  // published fails the emulator's bounds check instead of silently zero-filling.
+  if (threadIdx.x < 2 * KEYS) {
+    stage_offsets(r.stage_lo)[threadIdx.x] = int64_t{1} << 40;
+    stage_offsets(r.stage_lo + 1)[threadIdx.x] = int64_t{1} << 40;
+  }
+  __syncthreads();
+#endif
   const KeyLookup first = lookup_key<KEYS>(p, table, r.stage_lo, r.key_hi);
   const KeyLookup second = lookup_key<KEYS>(p, table, r.stage_lo + 1, r.key_hi);
   store_key<KEYS>(p, first, stage_offsets(r.stage_lo));

@@ -15,6 +15,7 @@ written between the wgmmas of a group).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -48,7 +49,9 @@ def readable(mangled: str) -> str:
 
 def csrc_report(archs: list[str]) -> list[dict]:
     """ptxas -v of csrc/paged_attention.cu per target: one row per kernel instantiation."""
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    homes = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    found = [Path(h) / "bin" / "nvcc" for h in homes if h and (Path(h) / "bin" / "nvcc").exists()]
+    nvcc = shutil.which("nvcc") or (str(found[0]) if found else "nvcc")
     rows = []
     for arch in archs:
         cmd = [nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", f"-I{CSRC}", "-Xptxas", "-v", "-c"]

@@ -156,8 +156,10 @@ def test_softmax_scales_on_tensor_cores(impl, scale, dev):
 @pytest.mark.parametrize("impl", ["mma", "wgmma"])
 def test_unmasked_stages_end_where_the_first_row_stops_seeing(impl, dev):
     """Stages that every row of a tile sees whole skip the causal mask. Each sequence here puts a
-    tile's first token one key before, at, or one key after the end of a 64-key prefill stage or a
-    16-key decode warp slice, so a bound one key too generous or too strict fails."""
+    tile's first token one key before, at, or one key after the end of a 64-key wgmma prefill
+    stage or a 16-key decode warp slice (the 64-row mma.sync tile masks every stage), so a bound
+    one key too generous fails. One too strict only masks a stage that needs none: no output
+    shows it."""
     if impl == "wgmma":
         needs_wgmma(dev)
     ctx = [62, 63, 64, 46, 47, 48, 30, 31, 32, 14, 15, 16]
