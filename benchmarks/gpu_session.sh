@@ -18,9 +18,11 @@
 # A session gets about 30 minutes of device time, start-up included: three phases at most. The
 # first (an H100, 2026-11-23) ran tests (311 s), kernels (237 s, cut short by a bug since fixed) and
 # engine (541 s); a fresh machine started in under 30 s. Next: kernels (the grid and tuning table;
-# --triton-variants times stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d), then
-# within the machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is still
-# there), `serving overlap chunk delayer`, the rest of engine, disagg.
+# --triton-variants times stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d;
+# the cuda columns and ncu time stop 43's CUDA tile changes, and their fp64 error column is the
+# first check of them on a GPU), then within the machine's 30 s idle window `serving backends`
+# (FlashInfer's JIT cache is still there), `serving overlap chunk delayer`, the rest of engine,
+# disagg; tests again when a session has the time (the CUDA kernels changed since they passed).
 # Carry the `base` wheels for tests (FlashInfer's tests then skip: its JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving.
 #
