@@ -451,25 +451,33 @@ __device__ __forceinline__ void store_rows(const MmaParams& p, const TileRows& r
   }
 }
 
+// A tile's key offsets: two stages' entries in shared memory, the stage's parity from stage_lo
+// choosing the half.
+template <int KEYS> struct StageOffsets {
+  int64_t* base;
+  int stage_lo;
+  __device__ __forceinline__ int64_t* of(int stage) const { return base + ((stage - stage_lo) & 1) * 2 * KEYS; }
+};
+
 // The key offsets of a tile's first two stages (the loop then stores each stage's two ahead), published
 // by a barrier before the first copy reads them.
-template <int KEYS, typename StageOffsets>
+template <int KEYS>
 __device__ __forceinline__ void start_offsets(const MmaParams& p, const int32_t* table, const TileRows& r,
-                                              StageOffsets stage_offsets) {
+                                              const StageOffsets<KEYS>& offsets) {
 #ifdef MINENGINE_EMULATE
   // The emulator fills shared memory with 0xff bytes, which read as offset -1 (skip the key): poison
   // the entries with an offset far outside the caches first, so a copy that reads one before it is
   // published fails the emulator's bounds check instead of silently zero-filling.
   if (threadIdx.x < 2 * KEYS) {
-    stage_offsets(r.stage_lo)[threadIdx.x] = int64_t{1} << 40;
-    stage_offsets(r.stage_lo + 1)[threadIdx.x] = int64_t{1} << 40;
+    offsets.of(r.stage_lo)[threadIdx.x] = int64_t{1} << 40;
+    offsets.of(r.stage_lo + 1)[threadIdx.x] = int64_t{1} << 40;
   }
   __syncthreads();
 #endif
   const KeyLookup first = lookup_key<KEYS>(p, table, r.stage_lo, r.key_hi);
   const KeyLookup second = lookup_key<KEYS>(p, table, r.stage_lo + 1, r.key_hi);
-  store_key<KEYS>(p, first, stage_offsets(r.stage_lo));
-  store_key<KEYS>(p, second, stage_offsets(r.stage_lo + 1));
+  store_key<KEYS>(p, first, offsets.of(r.stage_lo));
+  store_key<KEYS>(p, second, offsets.of(r.stage_lo + 1));
   __syncthreads();
 }
 
@@ -490,9 +498,9 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t
   T* ks = reinterpret_cast<T*>(smem);  // [STAGES][KEYS][LD]
   T* vs = ks + STAGES * KEYS * LD;
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
-  auto stage_offsets = [&](int stage) { return offsets + ((stage - r.stage_lo) & 1) * 2 * KEYS; };
+  const StageOffsets<KEYS> stage_offsets{offsets, r.stage_lo};
   auto load_stage = [&](int stage, int buf) {
-    load_kv_stage<T, D, KEYS, false>(p, stage_offsets(stage), ks + buf * KEYS * LD, vs + buf * KEYS * LD,
+    load_kv_stage<T, D, KEYS, false>(p, stage_offsets.of(stage), ks + buf * KEYS * LD, vs + buf * KEYS * LD,
                                      RowMajor<LD>{});
   };
 
@@ -550,7 +558,7 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t
         mma_16816<T>(acc[dn + 1], a, b1);
       }
     }
-    store_key<KEYS>(p, ahead, stage_offsets(stage + 2));  // stage's own entries are read: reuse them
+    store_key<KEYS>(p, ahead, stage_offsets.of(stage + 2));  // stage's own entries are read: reuse them
     __syncthreads();  // the buffer is refilled next; the entries are published
     if (STAGES == 1 && stage + 1 < r.stage_hi) {
       load_stage(stage + 1, 0);
@@ -638,10 +646,10 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
   const uint64_t k_desc0 = sw128_descriptor(smem_address(ks), 16, 1024);
   const uint64_t v_desc0 = sw128_descriptor(smem_address(vs), ATOMS, 1024);
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
-  auto stage_offsets = [&](int stage) { return offsets + ((stage - r.stage_lo) & 1) * 2 * KEYS; };
+  const StageOffsets<KEYS> stage_offsets{offsets, r.stage_lo};
   auto load_stage = [&](int stage, int buf) {
     const int at = buf * STAGE_BYTES / sizeof(T);
-    load_kv_stage<T, D, KEYS, true>(p, stage_offsets(stage), ks + at, vs + at, Swizzle128<KEYS>{});
+    load_kv_stage<T, D, KEYS, true>(p, stage_offsets.of(stage), ks + at, vs + at, Swizzle128<KEYS>{});
   };
 
   start_offsets<KEYS>(p, table, r, stage_offsets);
@@ -690,7 +698,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers<D / 2>(&acc[0][0]);
-    store_key<KEYS>(p, ahead, stage_offsets(stage + 2));  // stage's own entries are read: reuse them
+    store_key<KEYS>(p, ahead, stage_offsets.of(stage + 2));  // stage's own entries are read: reuse them
     __syncthreads();  // the buffer is refilled next; the entries are published
   }
   quad_sum(l);
