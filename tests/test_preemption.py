@@ -203,3 +203,21 @@ def test_decode_server_preallocation(mode):
             assert reqs[0].status is Status.RUNNING and reqs[0].num_computed == computed
         assert sched.allocator.num_free + sched.cache.evictable_pages == 7
         assert sched.preallocate(reqs[4], 2)  # 3 pages + 3 of headroom
+
+
+@pytest.mark.parametrize("mode", ["preempt", "reserve"])
+def test_decode_server_admits_a_prompt_it_has_cached_whole(mode):
+    """A decode server with its own prefix cache and no reserved decode tokens: a page-aligned
+    prompt found whole in the cache has nothing to receive and takes no page now, but still needs
+    a seat (it was passed over as a request with nothing to compute, forever, and the decode
+    server's first-come queue behind it with it)."""
+    eng = LLM("tiny", page_size=4, max_total_tokens=64, kv_admission=mode).engine  # 16 pages
+    sched = eng.scheduler
+    prompt = list(range(10, 18))  # 2 full pages
+    sched.cache.insert(prompt, sched.allocator.alloc(2))
+    free = sched.allocator.num_free
+    req = eng.new_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert sched.preallocate(req, 0)
+    assert req.cached_pages == 2 and len(req.pages) == 2 and sched.allocator.num_free == free
+    other = eng.new_request(list(range(50, 58)), SamplingParams(max_tokens=4, ignore_eos=True))
+    assert sched.preallocate(other, 0) and len(other.pages) == 2

@@ -392,11 +392,11 @@ class Scheduler:
             node = self.cache.lock(node)  # (a new salt's root: the one kept)
         evictable = self.cache.evictable_pages if self.cache is not None else 0
         upto = min(req.max_len, len(req.prompt_ids) + reserved_tokens)  # what it takes now
-        pending = upto - len(pages) * self.page_size
+        # at least 1: a prompt cached whole (page-aligned, no reserved tokens) still needs a seat, and
+        # its first decode step a page (a policy candidate with nothing pending would be passed over)
+        pending = max(1, upto - len(pages) * self.page_size)
         candidate = WaitingInfo(req.rid, pending, len(pages), 0, self.pages_for(req.max_len))  # its match is pinned
-        budget = Budget(
-            max(1, pending), self.max_running, self.allocator.num_free + evictable, None, self.preempt, self.page_size
-        )
+        budget = Budget(pending, self.max_running, self.allocator.num_free + evictable, None, self.preempt, self.page_size)
         if not build_schedule(self._reservations((*self.running, *self.receiving)), [candidate], budget).admitted:
             if node is not None:
                 self.cache.unlock(node)
