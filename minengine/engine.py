@@ -101,10 +101,12 @@ def check_prompt(
     context_length: int,
     kv_capacity: int,
     tokenizer: Tokenizer,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> tuple[tuple[int, ...], ...]:
     """Raise ValueError if a request is malformed or can never fit; the message names the values.
     ``tokenizer`` tokenizes its ``bad_words``: returns them tokenized
-    (``SamplingParams.bad_words_token_ids``)."""
+    (``SamplingParams.bad_words_token_ids``). ``eos_token_ids``: the model's, which ``min_tokens``
+    bans (unless ``ignore_eos``)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     bad = next(
@@ -119,6 +121,16 @@ def check_prompt(
     if bad is not None:
         raise ValueError(f"allowed_token_ids has token id {bad}, outside the vocabulary [0, {vocab_size})")
     bad_words_ids = params.bad_words_token_ids(tokenizer, vocab_size)
+    if params.allowed_token_ids is not None:  # (with none of them left, a row of -inf samples token 0)
+        banned = {ids[0] for ids in bad_words_ids if len(ids) == 1}
+        if params.min_tokens > 0:
+            banned |= params.stop_token_set if params.ignore_eos else params.stop_token_set | eos_token_ids
+        if banned.issuperset(params.allowed_token_ids):
+            raise ValueError(
+                f"allowed_token_ids is {params.allowed_token_ids!r:.80}, and bad_words or min_tokens "
+                "(it holds back end-of-sequence and stop_token_ids) ban them all; allowed: at least one "
+                "token the first step may sample"
+            )
     if params.structured_outputs is not None:  # (its grammar parses: compiling it cannot fail later)
         params.structured_outputs.check()
         check_reasoning(params.structured_outputs, tokenizer, vocab_size)
@@ -257,7 +269,9 @@ class Engine:
                     )
         params = resolve_max_tokens(prompt_ids, params, self.context_length, self.kv_capacity_tokens)
         vocab = self.model_config.vocab_size
-        return check_prompt(prompt_ids, params, vocab, self.context_length, self.kv_capacity_tokens, self.tokenizer)
+        return check_prompt(
+            prompt_ids, params, vocab, self.context_length, self.kv_capacity_tokens, self.tokenizer, self.eos_token_ids
+        )
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
         req = self.new_request(prompt_ids, params)
@@ -380,7 +394,7 @@ class Engine:
         only for stop strings; without them the output is decoded once, when it ends."""
         token, p = req.token_ids[-1], req.params
         # EOS or a stop token id: it is an output token, but not part of the text (as in vLLM)
-        stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or ())
+        stop_token = (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_set
         incremental = req.detok is not None and bool(req.detok.stop)
         # vLLM decodes a stop token into the text only with include_stop_str_in_output
         text_token = not stop_token or p.include_stop_str_in_output

@@ -203,7 +203,8 @@ class LLM:
             self.engine.check_request(prompt_ids, params)
         else:
             r = self._workers.ready
-            check_prompt(prompt_ids, params, r.vocab_size, r.context_length, r.kv_capacity_tokens, self.tokenizer)
+            capacity, eos = r.kv_capacity_tokens, r.eos_token_ids
+            check_prompt(prompt_ids, params, r.vocab_size, r.context_length, capacity, self.tokenizer, eos)
 
     def _generate_here(self, ids, params, bar) -> list[tuple]:
         reqs = [self.engine.new_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]

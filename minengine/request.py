@@ -59,6 +59,11 @@ class Request:
     # before the first), made and freed as ``output_counts`` is
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     output_tail: torch.Tensor | None = None
+    # the sampler's device copies of ``params.allowed_token_ids`` and of the tokens ``min_tokens``
+    # bans (end-of-sequence unless ``ignore_eos``, and ``stop_token_ids``), each id once: made at
+    # their first use, so a long list costs a step nothing on the host; freed with ``output_counts``
+    allowed_ids: torch.Tensor | None = None
+    end_ids: torch.Tensor | None = None
     matcher: Matcher | None = None  # with params.structured_outputs: its grammar's matcher
 
     def __post_init__(self) -> None:
@@ -69,6 +74,10 @@ class Request:
             self.output_logprobs = []
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = []
+
+    def drop_sampler_state(self) -> None:
+        """Free what the sampler keeps on the device for it (no step samples it again)."""
+        self.output_counts = self.prompt_seen = self.output_tail = self.allowed_ids = self.end_ids = None
 
     @property
     def output_ids(self) -> list[int]:

@@ -16,7 +16,6 @@ decided on host values, and a batch where no request asks for it pays nothing.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,10 +88,13 @@ class Sampler:
             apply_grammars(logits, reqs, token_buffer)
         limited = [j for j, req in enumerate(reqs) if req.params.allowed_token_ids is not None]
         if limited:  # every token but the allowed ones to -inf: one pass over those rows
-            where = _indices([(j, t) for j in limited for t in reqs[j].params.allowed_token_ids], device)
-            kept = logits[where]
+            for j in limited:
+                if reqs[j].allowed_ids is None:
+                    reqs[j].allowed_ids = self._token_set(reqs[j].params.allowed_token_ids, vocab)
+            where = torch.cat([reqs[j].allowed_ids + j * vocab for j in limited])  # flat cells
+            kept = logits.view(-1)[where]
             logits.index_fill_(0, to_device(limited, torch.int64, device), float("-inf"))
-            logits.index_put_(where, kept)
+            logits.view(-1).index_copy_(0, where, kept)
         cells, bias = [], []  # flat (row, token) cells: one per key, so none twice
         for j, req in enumerate(reqs):
             for token, b in (req.params.logit_bias or {}).items():
@@ -100,17 +102,21 @@ class Sampler:
                 bias.append(b)
         if cells:
             _add_at(logits, to_device(cells, torch.int64, device), to_device(bias, torch.float32, device))
-        banned, tailed = [], []
+        banned, ended, tailed = [], [], []  # flat cells: host values, and each request's device ids
         for j, req in enumerate(reqs):
             p = req.params
             if req.num_output_sampled <= p.min_tokens:  # (this step's token counts as sampled)
-                ends = set(p.stop_token_ids or ()) if p.ignore_eos else self.eos_token_ids.union(p.stop_token_ids or ())
-                banned += ((j, t) for t in ends if t < vocab)
-            banned += ((j, ids[0]) for ids in req.bad_words_ids if len(ids) == 1)
+                if req.end_ids is None:
+                    ends = p.stop_token_set if p.ignore_eos else self.eos_token_ids | p.stop_token_set
+                    req.end_ids = self._token_set(ends, vocab)
+                ended.append(req.end_ids + j * vocab)
+            banned += (j * vocab + ids[0] for ids in req.bad_words_ids if len(ids) == 1)
             if any(len(ids) > 1 for ids in req.bad_words_ids):
                 tailed.append(j)
         if banned:
-            logits.index_put_(_indices(banned, device), logits.new_full((len(banned),), float("-inf")))
+            ended.append(to_device(banned, torch.int64, device))
+        if ended:
+            logits.view(-1).index_fill_(0, torch.cat(ended), float("-inf"))
         state = _State()
         if tailed:
             self._ban_word_ends(logits, [reqs[j] for j in tailed], tailed, state)
@@ -120,6 +126,11 @@ class Sampler:
             logits = self._penalize(logits, [reqs[j] for j in penalised], penalised, state)
             state.counted_rows = [rows[j] for j in penalised]
         return logits, state if tailed or penalised else None
+
+    def _token_set(self, ids, vocab: int) -> torch.Tensor:
+        """Token ids on the device, each once, those outside the vocabulary left out (a stop id may
+        be; an allowed id is checked when the request is added)."""
+        return to_device(sorted({t for t in ids if t < vocab}), torch.int64, self.device)
 
     def _ban_word_ends(self, logits: torch.Tensor, reqs: list[Request], rows: list[int], state: _State) -> None:
         """For each bad word of two or more tokens of ``reqs`` (rows ``rows`` of ``logits``): its last
@@ -254,12 +265,6 @@ def _rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == tokens.shape[0]:  # (rows are in order, each once)
         return tokens
     return tokens.index_select(0, to_device(rows, torch.int64, tokens.device))
-
-
-def _indices(cells: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, token) pairs as ``index_put_``'s indices: the rows and the tokens, on the device."""
-    where = to_device(itertools.chain.from_iterable(cells), torch.int64, device, count=2 * len(cells))
-    return tuple(where.view(-1, 2).t())
 
 
 def _add_at(logits: torch.Tensor, cells: torch.Tensor, values: torch.Tensor) -> None:

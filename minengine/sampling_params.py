@@ -97,8 +97,10 @@ class SamplingParams:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop is {self.stop!r}; allowed: a non-empty string or a list of them")
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"stop_token_ids is {self.stop_token_ids!r}; allowed: a list of integers")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(
+                f"stop_token_ids is {self.stop_token_ids!r:.80}; allowed: a list of token ids (integers >= 0)"
+            )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: True or False")
@@ -172,6 +174,12 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: each sampled token is looked up in it (a list may be long,
+        and may repeat ids)."""
+        return frozenset(self.stop_token_ids or ())
 
     @cached_property
     def penalizes(self) -> bool:

@@ -42,7 +42,8 @@ def adjusted(
         x[token] += bias
     if len(output) < p.min_tokens:
         for token in set(p.stop_token_ids or ()) | (set() if p.ignore_eos else eos):
-            x[token] = float("-inf")
+            if token < x.shape[0]:  # (a stop id may lie past the vocabulary)
+                x[token] = float("-inf")
     vocab = x.shape[0]
     counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=vocab).double()
     seen = counts > 0
@@ -325,6 +326,7 @@ def test_counts_start_from_the_output_a_decode_server_was_handed():
         (dict(logit_bias={3: 101}), "logit_bias of token 3 is 101; allowed: a number in [-100.0, 100.0]"),
         (dict(logit_bias={-3: 1.0}), "logit_bias has token id -3; allowed: an integer >= 0"),
         (dict(logit_bias=[3]), "logit_bias is [3]"),
+        (dict(stop_token_ids=[3, -5]), "stop_token_ids is [3, -5]; allowed: a list of token ids (integers >= 0)"),
     ],
 )
 def test_bad_adjustments_are_refused(kwargs, message):
@@ -341,6 +343,61 @@ def test_a_logit_bias_token_outside_the_vocabulary_is_refused():
             llm.generate(["x"], SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
         # a prefill server checks min_tokens against the one token it makes
         assert SamplingParams(max_tokens=20, min_tokens=9).first_token_only().min_tokens == 1
+    finally:
+        llm.shutdown()
+
+
+def test_token_lists_are_put_on_the_device_once_each_id_once():
+    """``allowed_token_ids`` and the end tokens ``min_tokens`` bans go to the device at the
+    request's first adjusted step, duplicates dropped (a stop id past the vocabulary too), and are
+    reused after that: a long list costs a step no host work. The sampled tokens stay those of the
+    float64 reference."""
+    vocab, eos = 40, {1}
+    sampler = Sampler(torch.device("cpu"), seed=0, eos_token_ids=frozenset(eos))
+    p = SamplingParams(
+        temperature=0,
+        allowed_token_ids=[1, 7, 9, 12] * 50_000,
+        min_tokens=3,
+        stop_token_ids=[9, 9, 33, 1000] * 50_000,
+    )
+    req = request([5], [], p)
+    made = []
+    for step in range(5):
+        logits = torch.randn(1, vocab)
+        logits[0, 1], logits[0, 9], logits[0, 33] = 100, 90, 95  # ends first, then a stop id
+        raw = logits.clone()
+        token = sampler(logits, [req]).item()
+        x = adjusted(raw[0], req.prompt_ids, req.output_ids, p, eos)
+        assert x[token] >= x.max() - 1e-5 and token in (7, 12) + ((1, 9) if step >= 3 else ())
+        made.append((req.allowed_ids, req.end_ids))
+        req.token_ids.append(token)
+    assert req.allowed_ids.tolist() == [1, 7, 9, 12] and req.end_ids.tolist() == [1, 9, 33]
+    assert all(a is made[0][0] and e is made[0][1] for a, e in made)
+    req.drop_sampler_state()
+    assert req.allowed_ids is None and req.end_ids is None
+
+
+def test_allowed_tokens_that_the_first_step_bans_are_refused():
+    """Every allowed token an end token that ``min_tokens`` holds back, or a one-token bad word:
+    the first step could sample none of them (a row of -inf gives token 0, allowed or not)."""
+    llm = LLM("tiny", page_size=4)
+    try:
+        ends = sorted(llm.engine.eos_token_ids)
+        end = ends[0]
+        refused = [
+            SamplingParams(allowed_token_ids=ends, min_tokens=2),
+            SamplingParams(allowed_token_ids=[end, 70], stop_token_ids=[70], min_tokens=1),
+            SamplingParams(allowed_token_ids=[98, 98], bad_words=["b"]),
+        ]
+        for p in refused:
+            with pytest.raises(ValueError, match=r"allowed_token_ids is \[.*ban them all"):
+                llm.generate(["x"], p, use_tqdm=False)
+        fine = [
+            SamplingParams(allowed_token_ids=[end], min_tokens=2, ignore_eos=True, max_tokens=2),
+            SamplingParams(allowed_token_ids=[end, 70], stop_token_ids=[70], max_tokens=2),
+        ]
+        outs = llm.generate(["x"] * 2, fine, use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == [end, end] and outs[1].outputs[0].token_ids[0] in (end, 70)
     finally:
         llm.shutdown()
 

@@ -231,6 +231,8 @@ BAD = [
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": [65, 260]}, "allowed_token_ids"),  # past the tiny model's vocabulary
     ({"prompt": "x", "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [259], "min_tokens": 3}, "allowed_token_ids"),  # all end tokens
+    ({"prompt": "x", "stop_token_ids": [-5]}, "stop_token_ids"),
     ({"prompt": "x", "bad_words": "no"}, "bad_words"),
     ({"prompt": "x", "bad_words": ["no", " "]}, "bad_words"),
     ({"prompt": "x", "bad_words": ["w"] * 129}, "bad_words"),

@@ -333,7 +333,7 @@ class Scheduler:
         """Release a running request: its full pages go to the prefix cache (or are freed), or
         with ``hold_kv_on_finish`` stay held for a KV transfer (see ``release_held``). A preempted
         request that its in-flight token finishes just leaves the queue."""
-        req.output_counts = req.prompt_seen = req.output_tail = None  # its sampler state (no step samples it again)
+        req.drop_sampler_state()  # no step samples it again
         if req.status is Status.WAITING:
             self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, reason
@@ -396,7 +396,8 @@ class Scheduler:
         # its first decode step a page (a policy candidate with nothing pending would be passed over)
         pending = max(1, upto - len(pages) * self.page_size)
         candidate = WaitingInfo(req.rid, pending, len(pages), 0, self.pages_for(req.max_len))  # its match is pinned
-        budget = Budget(pending, self.max_running, self.allocator.num_free + evictable, None, self.preempt, self.page_size)
+        free = self.allocator.num_free + evictable
+        budget = Budget(pending, self.max_running, free, None, self.preempt, self.page_size)
         if not build_schedule(self._reservations((*self.running, *self.receiving)), [candidate], budget).admitted:
             if node is not None:
                 self.cache.unlock(node)
@@ -445,7 +446,7 @@ class Scheduler:
             if req in self.waiting:
                 self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
-            req.output_counts = req.prompt_seen = req.output_tail = None  # a preempted one's (``finish``: the rest)
+            req.drop_sampler_state()  # a preempted one's (``finish``: the rest)
 
     def accounting(self) -> dict[str, int]:
         """Where every KV page is: free, held by running requests, held only by the prefix cache."""

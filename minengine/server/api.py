@@ -1044,7 +1044,13 @@ def _choices(
             # a prefill server computes the prompt and one token; the decode server holds the rest
             checked = p.first_token_only() if state.mode == "prefill" else p
             check_prompt(
-                ids, checked, ready.vocab_size, ready.context_length, ready.kv_capacity_tokens, state.tokenizer
+                ids,
+                checked,
+                ready.vocab_size,
+                ready.context_length,
+                ready.kv_capacity_tokens,
+                state.tokenizer,
+                ready.eos_token_ids,
             )
         except ValueError as exc:
             message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")

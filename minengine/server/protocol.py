@@ -51,6 +51,7 @@ class Ready:
     context_length: int
     kv_capacity_tokens: int
     rank: int = 0
+    eos_token_ids: frozenset[int] = frozenset()  # what ``min_tokens`` holds back (request checks)
 
 
 # ``new_record(TokenUpdate, fields)``, every field given: as in scheduler/policy.py, the fast way to

@@ -136,7 +136,13 @@ def run_scheduler(
             torch.cuda.set_device(config.base_gpu_id + rank)
         _share_cores(config)
         engine = Engine(config, detokenize=False, gather=gather)
-        ready = Ready(engine.model_config.vocab_size, engine.context_length, engine.kv_capacity_tokens, rank)
+        ready = Ready(
+            engine.model_config.vocab_size,
+            engine.context_length,
+            engine.kv_capacity_tokens,
+            rank,
+            frozenset(engine.eos_token_ids),
+        )
         outbox.send_pyobj(ready)
         _loop(engine, inbox, outbox, parent_pid, rank, lockstep=gather is not None and engine.delayer is not None)
     except Exception as exc:
