@@ -1282,7 +1282,14 @@ def test_tokenize_detokenize_and_version(server):
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == param and message in error["message"], (body, r.text)
     assert post("/tokenize", prompt="hi", model="other").status_code == 404
-    for best_of in (None, 1):  # (a field of the sampling APIs, checked against n, which /tokenize lacks)
+    # a chat body's sampling fields, those minengine refuses in the chat API too, change no token
+    # (a client counts a request's tokens by posting its body)
+    sampling = {"logprobs": True, "top_logprobs": 5, "best_of": 2, "suffix": "x", "n": 2, "tool_choice": "auto"}
+    assert (
+        post("/tokenize", messages=partial, **sampling).json()["tokens"]
+        == post("/tokenize", messages=partial).json()["tokens"]
+    )
+    for best_of in (None, 1, 3):
         assert post("/tokenize", prompt="hi", best_of=best_of).json()["tokens"] == ids
         assert post("/detokenize", tokens=ids, best_of=best_of).status_code == 200
     assert httpx.get(server + "/version").json() == {"version": minengine.__version__}

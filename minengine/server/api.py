@@ -366,7 +366,8 @@ async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
         req = schema.model_validate(data)
     except ValidationError as exc:
         raise APIError(400, *_validation_message(exc.errors())) from None
-    _check_unsupported(req)
+    if isinstance(req, _Sampling):  # (/tokenize ignores a chat body's sampling fields, as vLLM does)
+        _check_unsupported(req)
     return req
 
 
@@ -419,8 +420,7 @@ _UNSUPPORTED = {
 
 def _check_unsupported(req: _Sampling) -> None:
     for name, value in (req.model_extra or {}).items():
-        # the best n of n: no selection (a request without n, such as /tokenize's: of 1)
-        off = (1, getattr(req, "n", 1)) if name == "best_of" else _UNSUPPORTED.get(name)
+        off = (1, req.n) if name == "best_of" else _UNSUPPORTED.get(name)  # the best n of n: no selection
         if off is None or value is None or any(value == v and type(value) is type(v) for v in off):
             continue
         allowed = " or ".join(dict.fromkeys(json.dumps(v) for v in off)) or "null"
