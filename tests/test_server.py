@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -725,6 +726,41 @@ def test_sigterm_aborts_in_flight_and_exits_cleanly(tmp_path):
     assert proc.returncode == 0
     assert wait_for(lambda: not any(alive(k) for k in kids), 5)
     assert ipc_dirs(tmp_path) == []
+
+
+# (5.5 s outlasts uvicorn's 3 s of graceful shutdown, and ends within the 5 s the server drains for, plus those 3)
+@pytest.mark.parametrize(("stream", "seconds"), [(True, 5.5), (False, 1.0)])
+def test_sigterm_waits_for_a_request_still_rendering_its_template(tmp_path, stream, seconds):
+    """A request accepted before SIGTERM but still rendering its own chat template (it has not
+    reached the scheduler yet) is waited for, and ends as the in-flight ones do: finish_reason
+    "abort" (a stream's with [DONE]), not a connection cut by the server's exit."""
+    from minengine.models.tiny import tiny_tokenizer
+
+    tok, messages = tiny_tokenizer(), [{"role": "user", "content": "hi"}]
+
+    def template(n: int) -> str:
+        return "{% for i in range(" + str(n) + ") %}{% for j in range(10000) %}{% endfor %}{% endfor %}{{ 'x' }}"
+
+    tok.render_chat(messages, chat_template=template(10))  # (the sandbox's first use)
+    t0 = time.perf_counter()
+    tok.render_chat(messages, chat_template=template(200))
+    n = max(200, int(200 * seconds / (time.perf_counter() - t0)))  # about that long to render here
+    proc, url = start_server("--trust-request-chat-template", tmpdir=tmp_path)
+    try:
+        body = {"messages": messages, "chat_template": template(n), "max_tokens": 3, "stream": stream}
+        threading.Timer(0.3, proc.send_signal, (signal.SIGTERM,)).start()
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        if stream:
+            lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        else:
+            assert r.json()["choices"][0]["finish_reason"] == "abort"
+        proc.wait(15)
+        assert proc.returncode == 0
+    finally:
+        stop_server(proc)
 
 
 def test_shutting_down_answers_503():

@@ -804,8 +804,28 @@ def openai_errors(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail), None, getattr(exc, "headers", None))
 
 
+class _InFlight:
+    """ASGI middleware: each HTTP request counts as in flight from its arrival until its response,
+    a stream's last chunk included, has gone out, so a shutdown waits for the requests it accepted
+    (one still rendering its chat template too: it has not reached the scheduler yet)."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.state.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.leave()
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="minengine", docs_url=None, redoc_url=None)
+    app.add_middleware(_InFlight, state=state)
     openai_errors(app)
 
     @app.exception_handler(APIError)
@@ -1161,7 +1181,6 @@ async def _respond(
         stream = _stream(state, choices, rid, created, model, shape, include_usage, prompt_tokens, first_choices)
         return StreamingResponse(stream, media_type="text/event-stream")
 
-    state.enter()
     texts = [c.echo or "" for c in choices]
     token_ids: list[list[int]] = [[] for _ in choices]
     entries: list[list] = [[] for _ in choices]
@@ -1184,16 +1203,13 @@ async def _respond(
                 reasons[index], stop_reasons[index] = piece.finish_reason, piece.stop_reason
 
     task = asyncio.create_task(collect())
-    try:
-        while not task.done():  # a client that goes away aborts its requests at once
-            await asyncio.wait({task}, timeout=0.05)
-            if not task.done() and await raw.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return Response(status_code=499)
-        task.result()
-    finally:
-        state.leave()
+    while not task.done():  # a client that goes away aborts its requests at once
+        await asyncio.wait({task}, timeout=0.05)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    task.result()
     body_choices = []
     for i, (c, t, r, sr) in enumerate(zip(choices, texts, reasons, stop_reasons, strict=True)):
         output = {"message": {"role": role, "content": t}} if chat else {"text": t}
@@ -1320,7 +1336,6 @@ async def _stream(
         body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choice_list, **extra}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    state.enter()
     completion_tokens = cached = 0
     # tokens not sent yet (a piece without text sends no chunk): those logprobs are for (with
     # echo, the prompt's first), their entries, the output's; and where each choice's next token
@@ -1386,5 +1401,3 @@ async def _stream(
         error = {"error": {"message": _summary(exc), "type": "InternalServerError", "param": None, "code": 500}}
         yield f"data: {json.dumps(error)}\n\n"
         yield "data: [DONE]\n\n"  # the stream still ends as clients expect (vLLM does the same)
-    finally:
-        state.leave()

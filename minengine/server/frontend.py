@@ -106,6 +106,10 @@ class SchedulerClient:
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[rid], self.owner[rid] = queue, worker
         self.load[worker] += 1
+        if self._shutdown_sent:  # (a request that got past the 503 check before shutdown began)
+            # the workers abort what they hold and exit, reading nothing more: end it as they would
+            queue.put_nowait(TokenUpdate(rid, [], "abort"))
+            return queue
         self.outboxes[worker].send(pickle.dumps(AddRequest(rid, prompt_ids, params, bootstrap)))
         return queue
 
