@@ -49,6 +49,9 @@ PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefi
 DOWN_SECONDS = 5.0  # a server that refused a connection gets no new requests for this long (unless all did)
 CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as long as generation does)
 MAX_ATTEMPTS = 3  # pairs a request may be sent to when servers refuse connections
+# connection failures where the server never saw the request: a refusal, or no answer to the connect
+# (a host that drops packets), which httpx does not count as a ConnectError
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 @dataclass
@@ -62,7 +65,7 @@ class Backend:
     def unreachable(self, exc: BaseException | None) -> None:
         """Note a failed call: a connection error takes the server out of picking for a while
         (a server that is down fails fast, so by load alone it would get most requests)."""
-        if isinstance(exc, httpx.ConnectError):
+        if isinstance(exc, NEVER_SENT):
             self.down_until = time.monotonic() + DOWN_SECONDS
 
     @property
@@ -196,7 +199,7 @@ class Router:
     def _refused(retry: bool, exc: BaseException | None, server: Backend, picker: Picker) -> bool:
         """Whether the request may go to another pair: ``server`` refused the connection (so it
         never saw the request) and another server of its kind is up."""
-        if not (retry and isinstance(exc, httpx.ConnectError)):
+        if not (retry and isinstance(exc, NEVER_SENT)):
             return False
         server.unreachable(exc)
         return picker.any_up()
@@ -228,7 +231,7 @@ class Router:
                 prefill.cancel()  # its server must not wait for this pairing
                 raise _Refused(d.url) from None
             d.unreachable(exc)
-            refused = isinstance(exc, httpx.ConnectError)
+            refused = isinstance(exc, NEVER_SENT)
             answer = error_response(502, f"the decode server {d.url} failed: {exc!r}")
         if answer.status_code == 200:
             self._finish_in_background(prefill)  # it ends on its own once its KV has landed
@@ -238,7 +241,7 @@ class Router:
         # to say so (not when the decode server refused the connection: it never saw the
         # request, so the prefill half can only wait for it). Either way the prefill half can
         # never hand its KV over, so it is stopped.
-        if answer.status_code >= 500:
+        if answer.status_code in (500, 502):  # (a 503, shutting down, is the decode server's own)
             if not refused:
                 await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)  # (raises nothing of its own)
             if prefill.done() and (failed := _failure(prefill, p)) is not None:
@@ -383,7 +386,7 @@ class Router:
             except httpx.HTTPError as exc:
                 d.unreachable(exc)
                 errors.append(f"the decode server {d.url} failed: {exc!r}")
-                if body is not None and not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                if body is not None and not isinstance(exc, NEVER_SENT):
                     break  # it had the request
                 continue
             answer = Response(resp.content, status_code=resp.status_code, media_type="application/json")
@@ -458,6 +461,12 @@ def _failure(task: asyncio.Task, p: Backend) -> Response | None:
     resp = task.result()
     if resp.status_code != 200:
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+    try:  # a half its server aborted (it is shutting down) hands no KV over: the decode half cannot go on
+        aborted = any(c.get("finish_reason") == "abort" for c in resp.json()["choices"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        aborted = False
+    if aborted:
+        return error_response(503, f"the prefill server {p.url} aborted the request (it may be shutting down)")
     return None
 
 

@@ -4,6 +4,7 @@ or the fake backend. Stepping both by hand makes every failure scenario determin
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -405,6 +406,53 @@ def test_prefill_abort_fails_the_decode_side(pair):
     pd.run_until(pd.done("d:r"))
     assert "aborted on the prefill server" in pd.out["d:r"]["error"]
     pd.run_until(pd.idle)
+
+
+def _shut_down_prefill(pd) -> None:
+    """What the prefill server's scheduler does on Shutdown: abort everything (it waits a moment
+    for writes in flight, which land only while the decode server runs: another thread here, as
+    it is another process in a deployment), close."""
+    stop = threading.Event()
+
+    def decode_server():
+        while not stop.is_set():
+            pd.step("d")
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=decode_server)
+    thread.start()
+    try:
+        pd._record("p", pd.p.abort_all())
+    finally:
+        stop.set()
+        thread.join()
+    pd.p.close()
+    pd.p.close = lambda: None  # (the fixture's teardown)
+
+
+def test_a_prefill_shutdown_tells_its_decode_servers_at_once(pair):
+    """A prefill server that shuts down tells each decode server with a room there, mid-transfer
+    or queued for decode KV (its claim), instead of leaving them a timeout of silence (10 s here);
+    the request already decoding goes on, and the decode pool ends empty."""
+    pd = pair(timeout=10.0)
+    pd.submit("r", PROMPTS[4])
+    pd.run_until(lambda: any(s.sent for s in pd.p.xfer.senders.values()))
+    _shut_down_prefill(pd)
+    pd.run_until(pd.done("d:r"), timeout=3, sides="d")
+    assert "the prefill server is shutting down" in pd.out["d:r"]["error"]
+    pd.run_until(lambda: pd.d.engine.stats()["kv_pages_in_use"] == 0 and not pd.d.pending(), timeout=3, sides="d")
+
+    # reserve: r0's whole sequence (247 tokens) is held for it, so r1 waits in the decode server's queue
+    pd = pair(timeout=10.0, decode_radix=False, decode={"max_total_tokens": 256, "kv_admission": "reserve"})
+    pd.submit("r0", PROMPTS[3], SamplingParams(max_tokens=230, temperature=0, ignore_eos=True))
+    pd.submit("r1", PROMPTS[3])
+    pd.run_until(lambda: len(pd.d.prealloc) == 1 and pd.out.get("d:r0") and pd.p.xfer.claims)
+    _shut_down_prefill(pd)
+    pd.run_until(pd.done("d:r1"), timeout=3, sides="d")
+    assert "the prefill server is shutting down" in pd.out["d:r1"]["error"]
+    pd.run_until(pd.done("d:r0"), sides="d")
+    assert pd.out["d:r0"]["error"] is None and len(pd.out["d:r0"]["tokens"]) == 230
+    pd.run_until(lambda: pd.d.engine.stats()["kv_pages_in_use"] == 0 and not pd.d.pending(), timeout=3, sides="d")
 
 
 def test_bootstrap_timeouts(pair):

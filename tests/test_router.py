@@ -501,10 +501,12 @@ def _retries(router) -> dict[str, float]:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("refusing", ["p1", "d1"])
-def test_a_refused_connection_sends_the_request_to_another_pair(stream, refusing):
-    """A server that refuses the connection never saw the request: the router sends both halves
-    to another pair (a new room), the client gets the answer, and the refusing server is passed
-    over for a while. The first pair's other half is cancelled."""
+@pytest.mark.parametrize("error", [httpx.ConnectError, httpx.ConnectTimeout])
+def test_a_refused_connection_sends_the_request_to_another_pair(stream, refusing, error):
+    """A server that refuses the connection, or never answers it (a host that drops packets: a
+    ConnectTimeout, no ConnectError in httpx), never saw the request: the router sends both halves
+    to another pair (a new room), the client gets the answer, and that server is passed over for a
+    while. The first pair's other half is cancelled."""
     import asyncio
 
     seen = []
@@ -513,7 +515,7 @@ def test_a_refused_connection_sends_the_request_to_another_pair(stream, refusing
         body = json.loads(request.content)
         seen.append((request.url.host, body["bootstrap_port"], body["bootstrap_room"]))
         if request.url.host == refusing:
-            raise httpx.ConnectError("connection refused")
+            raise error("connection refused")
         if request.url.host.startswith("p"):
             await asyncio.sleep(0.05)
             return httpx.Response(200, json={"choices": [{"text": "a"}]})
@@ -568,6 +570,39 @@ def test_when_every_server_of_a_kind_refuses_the_client_gets_the_error():
     assert r.status_code == 502 and "prefill server http://p2 failed" in r.json()["error"]["message"]
     assert sorted(h for h in tried if h.startswith("p")) == ["p1", "p2"]  # each once: no third attempt
     assert _retries(router) == {"http://p1": 1.0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_half_its_server_aborted_ends_the_request_at_once(stream):
+    """A prefill server that shuts down answers its half 200 with finish_reason "abort": no KV
+    comes, so the client gets a 503 at once instead of waiting for the decode server to time out."""
+
+    async def handler(request):
+        import asyncio
+
+        if request.url.host == "p":
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "", "finish_reason": "abort"}]})
+        await asyncio.sleep(20)  # the decode half waits for KV that will never come
+
+    r, seconds = _timed_post(handler, {"prompt": "x", "stream": stream})
+    assert seconds < 5 and r.status_code == 503  # (a stream too: the decode server had not answered yet)
+    assert "the prefill server http://p aborted the request" in r.json()["error"]["message"]
+
+
+def test_a_decode_server_shutting_down_is_a_503_not_the_prefill_half_it_failed():
+    """The decode server's 503 (shutting down: a client may retry) is the cause; the prefill
+    half's 500 that follows it ("aborted by the decode server") is not passed on instead."""
+
+    async def handler(request):
+        import asyncio
+
+        if request.url.host == "p":
+            await asyncio.sleep(0.1)
+            return httpx.Response(500, json={"error": {"message": "aborted by the decode server", "code": 500}})
+        return httpx.Response(503, json={"error": {"message": "the server is shutting down", "code": 503}})
+
+    r, _ = _timed_post(handler, {"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
 
 
 @pytest.mark.parametrize("decode_status", ["refused", 500])

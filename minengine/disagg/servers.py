@@ -81,6 +81,8 @@ class PrefillDriver:
         return [TokenUpdate(rid, [], "abort")]
 
     def abort_all(self) -> list[TokenUpdate]:
+        """Shutdown: every request ends, and the decode servers waiting on them are told why."""
+        self.xfer.shut_down("the prefill server is shutting down")
         return [u for rid in [*self.bootstrap, *self.live] for u in self.abort(rid)]
 
     def fail_room(self, msg: FailRoom) -> None:

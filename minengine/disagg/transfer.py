@@ -663,9 +663,31 @@ class PrefillTransfer:
         s.state = KVPoll.WaitingForInput
         self.send(peer, ("accepted", s.room))
 
+    def shut_down(self, why: str, seconds: float = 2.0) -> None:
+        """This server is exiting: every room fails with ``why``, and each decode server that has a
+        room here (its metadata came, it claimed the room, or its metadata came first) hears so
+        before the port closes, instead of after a timeout of silence. A sender with writes in
+        flight is waited for, ``seconds`` at most: until they end, the decode side must keep the
+        pages they write (past that, its own timeout takes over)."""
+        for s in self.senders.values():
+            s.fail(why)
+        deadline = time.monotonic() + seconds
+        self.poll()  # (a failed sender with no write in flight tells its decode server here)
+        while self.busy() and time.monotonic() < deadline:
+            time.sleep(0.005)
+            self.poll()
+        told = {room for room, s in self.senders.items() if s.peer is not None}
+        for room, (peer, _) in self.claims.items():
+            if room not in told:
+                self.send(peer, ("failed", room, why))
+        for room, entry in self.early.items():
+            self.send(entry[0], ("failed", room, why))
+        self.claims.clear()
+        self.early.clear()
+
     def close(self) -> None:
         self.mover.close()
-        self.sock.close(linger=0)
+        self.sock.close(linger=500)  # (the last answers of a shutdown still go out)
         self.ctx.term()
 
 
