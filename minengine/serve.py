@@ -11,8 +11,10 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import signal
+import socket
 import sys
 
 import uvicorn
@@ -194,6 +196,20 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's TCP socket, bound and not yet listening (a connection is refused until it
+    does), as uvicorn would make it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     from minengine.models import load_tokenizer
     from minengine.server.api import ServerState, build_app
@@ -208,6 +224,12 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     except Exception as exc:  # no tokenizer.json, a malformed one, not a folder, ...
         flag = "--tokenizer" if config.tokenizer else "--model"
         print(f"{prog}: error: argument {flag}: cannot load a tokenizer from {source!r}: {exc}", file=sys.stderr)
+        return 2
+    try:  # bound now, so a port in use fails at once; it listens (opens) once the workers are ready
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        flag = "--port" if exc.errno == errno.EADDRINUSE else "--host"
+        print(f"{prog}: error: argument {flag}: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     metrics = Metrics()
     workers = Workers(config, metrics)  # the schedulers load the model; the port opens once they are ready
@@ -235,8 +257,9 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         workers,
     )
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         # a worker still loading the model reads no Shutdown: after a failed or stopped start-up,
         # no wait; a signal now (a second Ctrl-C) ends the wait without a traceback
         previous = {sig: signal.signal(sig, lambda *_: workers.hurry()) for sig in (signal.SIGINT, signal.SIGTERM)}

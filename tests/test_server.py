@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import re
@@ -886,6 +887,21 @@ def test_start_up_failures_exit_with_one_line_and_leave_nothing(tmp_path, flags,
     lines = r.stderr.strip().splitlines()
     assert r.returncode == code and len(lines) == 1 and message in lines[0], r.stderr
     assert ipc_dirs(tmp_path) == []
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
+    """A port another process listens on: one line naming --port and the address, exit code 2,
+    before any worker starts (with a real checkpoint, loading takes minutes)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [sys.executable, "-m", "minengine.serve", "--port", str(port), "--log-level", "info"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"error: argument --port: cannot bind 127.0.0.1:{port}: [Errno {errno.EADDRINUSE}]" in lines[0]
+    assert ipc_dirs(tmp_path) == []  # no worker started
 
 
 def test_a_signal_while_the_workers_start_stops_the_server_cleanly():
