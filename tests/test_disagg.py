@@ -367,6 +367,26 @@ def test_front_end_rejection_reaches_the_prefill_side(pair):
     pd.run_until(pd.idle)
 
 
+def test_a_prefill_rejection_reaches_a_decode_half_queued_for_kv_at_once(pair, monkeypatch):
+    """The prefill server's front end refuses a request (a 400 there) whose decode half waits for
+    KV space and has claimed the room: the decode half fails now, while the request ahead of it
+    still decodes (it heard only once it had the KV space and sent its metadata, or after a
+    timeout of silence)."""
+    # reserve: r0's whole sequence (247 tokens) is held for it, so r1 waits in the decode server's queue
+    pd = pair(timeout=10.0, decode_radix=False, decode={"max_total_tokens": 256, "kv_admission": "reserve"})
+    real_step = pd.d.engine.step  # r0's 230 steps take 1.2 s or more, however fast the machine
+    monkeypatch.setattr(pd.d.engine, "step", lambda: time.sleep(0.005) or real_step())
+    pd.submit("r0", PROMPTS[3], SamplingParams(max_tokens=230, temperature=0, ignore_eos=True))
+    b = pd.submit("r1", PROMPTS[2], to=("d",))
+    pd.run_until(lambda: len(pd.d.prealloc) == 1 and b.room in pd.p.xfer.claims)
+    pd.p.fail_room(FailRoom(b, "bad sampling parameters"))  # what the prefill API does on a 400
+    pd.run_until(lambda: pd.done("d:r1")() or pd.done("d:r0")())
+    assert pd.out.get("d:r0", {}).get("reason") is None
+    assert "rejected by the prefill server: bad sampling parameters" in pd.out["d:r1"]["error"]
+    pd._record("d", pd.d.abort("r0"))
+    pd.run_until(pd.idle)
+
+
 def test_transfer_failure_fails_both_sides(pair, monkeypatch):
     pd = pair()
 

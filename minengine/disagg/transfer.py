@@ -510,8 +510,10 @@ class PrefillTransfer:
         if room in self.early:
             peer = self.early.pop(room)[0]
             self.send(peer, ("failed", room, why))
-        else:
-            self.dead_rooms[room] = (why, time.monotonic())
+            return
+        if room in self.claims:  # its decode half waits for KV space: tell it now, not after a timeout
+            self.send(self.claims.pop(room)[0], ("failed", room, why))
+        self.dead_rooms[room] = (why, time.monotonic())  # (asked about later: the same answer)
 
     def forget(self, room: int) -> None:
         """Drop a finished sender; a failed one that never met its decode server is remembered, so
