@@ -91,7 +91,7 @@ class Sampler:
             for j in limited:
                 if reqs[j].allowed_ids is None:
                     reqs[j].allowed_ids = self._token_set(reqs[j].params.allowed_token_ids, vocab)
-            where = torch.cat([reqs[j].allowed_ids + j * vocab for j in limited])  # flat cells
+            where = _flat_cells([reqs[j].allowed_ids for j in limited], limited, vocab)
             kept = logits.view(-1)[where]
             logits.index_fill_(0, to_device(limited, torch.int64, device), float("-inf"))
             logits.view(-1).index_copy_(0, where, kept)
@@ -102,21 +102,22 @@ class Sampler:
                 bias.append(b)
         if cells:
             _add_at(logits, to_device(cells, torch.int64, device), to_device(bias, torch.float32, device))
-        banned, ended, tailed = [], [], []  # flat cells: host values, and each request's device ids
+        banned, ending, tailed = [], [], []  # flat cells (host), rows under min_tokens, rows with long bad words
         for j, req in enumerate(reqs):
             p = req.params
             if req.num_output_sampled <= p.min_tokens:  # (this step's token counts as sampled)
                 if req.end_ids is None:
                     ends = p.stop_token_set if p.ignore_eos else self.eos_token_ids | p.stop_token_set
                     req.end_ids = self._token_set(ends, vocab)
-                ended.append(req.end_ids + j * vocab)
+                ending.append(j)
             banned += (j * vocab + ids[0] for ids in req.bad_words_ids if len(ids) == 1)
             if any(len(ids) > 1 for ids in req.bad_words_ids):
                 tailed.append(j)
+        cells = [_flat_cells([reqs[j].end_ids for j in ending], ending, vocab)] if ending else []
         if banned:
-            ended.append(to_device(banned, torch.int64, device))
-        if ended:
-            logits.view(-1).index_fill_(0, torch.cat(ended), float("-inf"))
+            cells.append(to_device(banned, torch.int64, device))
+        if cells:
+            logits.view(-1).index_fill_(0, cells[0] if len(cells) == 1 else torch.cat(cells), float("-inf"))
         state = _State()
         if tailed:
             self._ban_word_ends(logits, [reqs[j] for j in tailed], tailed, state)
@@ -265,6 +266,18 @@ def _rows(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == tokens.shape[0]:  # (rows are in order, each once)
         return tokens
     return tokens.index_select(0, to_device(rows, torch.int64, tokens.device))
+
+
+def _flat_cells(ids: list[torch.Tensor], rows: list[int], vocab: int) -> torch.Tensor:
+    """Token ids of several rows (a device tensor each) as flat cells ``row * vocab + id``: a few
+    kernels, however many rows (sizes are known on the host: no sync)."""
+    if len(ids) == 1:
+        return ids[0] + rows[0] * vocab
+    sizes = [t.numel() for t in ids]
+    device = ids[0].device
+    starts = to_device([row * vocab for row in rows], torch.int64, device)
+    offsets = torch.repeat_interleave(starts, to_device(sizes, torch.int64, device), output_size=sum(sizes))
+    return torch.cat(ids) + offsets
 
 
 def _add_at(logits: torch.Tensor, cells: torch.Tensor, values: torch.Tensor) -> None:

@@ -130,6 +130,7 @@ class _Server(uvicorn.Server):
         self.state, self.workers = state, workers
         self.failed: str | None = None  # why start-up failed
         self.stopped_early = False  # a signal came while the workers started
+        self.listen_failed: OSError | None = None  # the port, bound before the load, taken meanwhile
 
     async def serve(self, sockets=None) -> None:
         from minengine.server.api import _summary
@@ -166,6 +167,12 @@ class _Server(uvicorn.Server):
                 ready.context_length,
                 ready.kv_capacity_tokens,
             )
+            try:  # (another server may have bound the port too: both can, until one listens)
+                for sock in sockets or ():
+                    sock.listen(self.config.backlog)
+            except OSError as exc:
+                self.listen_failed = exc
+                return
             await super().serve(sockets)
         except SchedulerDied as exc:
             self.failed = _summary(exc)
@@ -196,18 +203,38 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The server's TCP socket, bound and not yet listening (a connection is refused until it
-    does), as uvicorn would make it."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """The server's TCP sockets, one per address ``host`` resolves to (as asyncio's create_server,
+    which uvicorn calls, makes them: IPv6 ones IPv6-only), bound and not yet listening: a
+    connection is refused until they listen."""
+    socks: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        infos = dict.fromkeys(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
+        for i, (family, kind, proto, _, address) in enumerate(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:  # as asyncio: an address of a family this machine lacks (::1) is skipped
+                if exc.errno != errno.EADDRNOTAVAIL or (i == len(infos) - 1 and len(socks) == 1):
+                    raise
+                socks.pop().close()
+                continue
+            sock.set_inheritable(True)
     except BaseException:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise
-    sock.set_inheritable(True)
-    return sock
+    return socks
+
+
+def _bind_error(prog: str, host: str, port: int, exc: OSError) -> str:
+    """One line naming the flag at fault: the port (in use, or privileged) or the host."""
+    flag = "--port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "--host"
+    return f"{prog}: error: argument {flag}: cannot bind {host}:{port}: {exc}"
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -226,10 +253,9 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         print(f"{prog}: error: argument {flag}: cannot load a tokenizer from {source!r}: {exc}", file=sys.stderr)
         return 2
     try:  # bound now, so a port in use fails at once; it listens (opens) once the workers are ready
-        sock = _bind(args.host, args.port)
+        socks = _bind(args.host, args.port)
     except OSError as exc:
-        flag = "--port" if exc.errno == errno.EADDRINUSE else "--host"
-        print(f"{prog}: error: argument {flag}: cannot bind {args.host}:{args.port}: {exc}", file=sys.stderr)
+        print(_bind_error(prog, args.host, args.port, exc), file=sys.stderr)
         return 2
     metrics = Metrics()
     workers = Workers(config, metrics)  # the schedulers load the model; the port opens once they are ready
@@ -257,9 +283,10 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         workers,
     )
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=socks)
     finally:
-        sock.close()
+        for sock in socks:
+            sock.close()
         # a worker still loading the model reads no Shutdown: after a failed or stopped start-up,
         # no wait; a signal now (a second Ctrl-C) ends the wait without a traceback
         previous = {sig: signal.signal(sig, lambda *_: workers.hurry()) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -268,6 +295,9 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+    if server.listen_failed is not None:
+        print(_bind_error(prog, args.host, args.port, server.listen_failed), file=sys.stderr)
+        return 2
     if server.failed is not None:
         print(f"{prog}: error: {server.failed}", file=sys.stderr)
         return 1

@@ -475,6 +475,24 @@ def test_a_prefill_shutdown_tells_its_decode_servers_at_once(pair):
     pd.run_until(lambda: pd.d.engine.stats()["kv_pages_in_use"] == 0 and not pd.d.pending(), timeout=3, sides="d")
 
 
+def test_a_prefill_shutdown_lets_a_request_whose_kv_is_on_its_way_finish(pair, reference):
+    """Every page sent and the first token known, the last writes still in flight when the prefill
+    server shuts down: the request succeeds on both sides (it would have a moment later)."""
+    pd = pair(timeout=10.0)
+    pd.submit("r", PROMPTS[4])
+
+    def landing():
+        return any(s.first_token is not None and s.writes for s in pd.p.xfer.senders.values())
+
+    pd.run_until(lambda: any(s.peer is not None for s in pd.p.xfer.senders.values()))  # its metadata came
+    pd.run_until(lambda: landing() or pd.done("p:r")(), sides="p")  # (the decode side lands nothing now)
+    assert landing(), "the writes landed before the decode side ran"
+    _shut_down_prefill(pd)
+    assert pd.out["p:r"]["reason"] == "length" and pd.out["p:r"]["error"] is None
+    pd.run_until(pd.done("d:r"), sides="d")
+    assert pd.out["d:r"]["error"] is None and pd.out["d:r"]["tokens"] == reference([PROMPTS[4]], GREEDY)[0]
+
+
 def test_bootstrap_timeouts(pair):
     pd = pair(timeout=0.5)
     pd.submit("lonely_prefill", PROMPTS[1], to=("p",))

@@ -361,16 +361,21 @@ def test_token_lists_are_put_on_the_device_once_each_id_once():
         stop_token_ids=[9, 9, 33, 1000] * 50_000,
     )
     req = request([5], [], p)
+    q = SamplingParams(temperature=0, allowed_token_ids=[3, 4, 3], min_tokens=2)  # a second row of each
+    other = request([6], [], q)
     made = []
     for step in range(5):
-        logits = torch.randn(1, vocab)
-        logits[0, 1], logits[0, 9], logits[0, 33] = 100, 90, 95  # ends first, then a stop id
+        logits = torch.randn(2, vocab)
+        logits[:, 1], logits[:, 9], logits[:, 33] = 100, 90, 95  # ends first, then a stop id
         raw = logits.clone()
-        token = sampler(logits, [req]).item()
+        token, other_token = sampler(logits, [req, other]).tolist()
         x = adjusted(raw[0], req.prompt_ids, req.output_ids, p, eos)
         assert x[token] >= x.max() - 1e-5 and token in (7, 12) + ((1, 9) if step >= 3 else ())
+        y = adjusted(raw[1], other.prompt_ids, other.output_ids, q, eos)
+        assert y[other_token] >= y.max() - 1e-5 and other_token in (3, 4)
         made.append((req.allowed_ids, req.end_ids))
         req.token_ids.append(token)
+        other.token_ids.append(other_token)
     assert req.allowed_ids.tolist() == [1, 7, 9, 12] and req.end_ids.tolist() == [1, 9, 33]
     assert all(a is made[0][0] and e is made[0][1] for a, e in made)
     req.drop_sampler_state()

@@ -209,8 +209,8 @@ def test_decode_server_preallocation(mode):
 def test_decode_server_admits_a_prompt_it_has_cached_whole(mode):
     """A decode server with its own prefix cache and no reserved decode tokens: a page-aligned
     prompt found whole in the cache has nothing to receive and takes no page now, but still needs
-    a seat (it was passed over as a request with nothing to compute, forever, and the decode
-    server's first-come queue behind it with it)."""
+    a seat. (It was refused as a request with nothing to compute, at every try; the decode
+    server's first-come queue admits nothing past a refused request.)"""
     eng = LLM("tiny", page_size=4, max_total_tokens=64, kv_admission=mode).engine  # 16 pages
     sched = eng.scheduler
     prompt = list(range(10, 18))  # 2 full pages

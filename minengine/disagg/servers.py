@@ -81,9 +81,15 @@ class PrefillDriver:
         return [TokenUpdate(rid, [], "abort")]
 
     def abort_all(self) -> list[TokenUpdate]:
-        """Shutdown: every request ends, and the decode servers waiting on them are told why."""
+        """Shutdown: every request ends, and the decode servers waiting on them are told why (one
+        whose KV is all on its way and lands meanwhile ends as it would have: sent)."""
         self.xfer.shut_down("the prefill server is shutting down")
-        return [u for rid in [*self.bootstrap, *self.live] for u in self.abort(rid)]
+        updates = []
+        for rid, (req, sender) in list(self.live.items()):
+            if sender.poll() is KVPoll.Success:
+                del self.live[rid]
+                updates.append(self._sent(rid, req, sender))
+        return updates + [u for rid in [*self.bootstrap, *self.live] for u in self.abort(rid)]
 
     def fail_room(self, msg: FailRoom) -> None:
         self.xfer.reject(msg.bootstrap.room, f"rejected by the prefill server: {msg.reason}")
@@ -136,10 +142,7 @@ class PrefillDriver:
             state = sender.poll()
             if state is KVPoll.Success:
                 del self.live[rid]
-                self.engine.scheduler.release_held(req)
-                self.xfer.forget(sender.room)
-                self.pages_sent += sender.sent
-                updates.append(TokenUpdate(rid, [req.token_ids[-1]], "length", req.cached_tokens))
+                updates.append(self._sent(rid, req, sender))
             elif state is KVPoll.Failed:
                 del self.live[rid]
                 self.engine.abort(req)
@@ -152,6 +155,13 @@ class PrefillDriver:
                 if req is not None:
                     self.engine.abort(req)
         return updates
+
+    def _sent(self, rid: str, req, sender) -> TokenUpdate:
+        """A request whose KV has all landed on its decode server: release it, report its token."""
+        self.engine.scheduler.release_held(req)
+        self.xfer.forget(sender.room)
+        self.pages_sent += sender.sent
+        return TokenUpdate(rid, [req.token_ids[-1]], "length", req.cached_tokens)
 
     def drain_transfer_stats(self) -> tuple[list, int]:
         sent, self.pages_sent = self.pages_sent, 0

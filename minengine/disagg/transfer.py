@@ -670,14 +670,18 @@ class PrefillTransfer:
         room here (its metadata came, it claimed the room, or its metadata came first) hears so
         before the port closes, instead of after a timeout of silence. A sender with writes in
         flight is waited for, ``seconds`` at most: until they end, the decode side must keep the
-        pages they write (past that, its own timeout takes over)."""
+        pages they write (past that, its own timeout takes over). A sender whose every page is sent
+        and whose first token is known succeeds instead, if its last writes land in that time."""
         for s in self.senders.values():
-            s.fail(why)
+            if s.first_token is None:
+                s.fail(why)
         deadline = time.monotonic() + seconds
         self.poll()  # (a failed sender with no write in flight tells its decode server here)
         while self.busy() and time.monotonic() < deadline:
             time.sleep(0.005)
             self.poll()
+        for s in self.senders.values():  # (writes still in flight: no answer; the peer's timeout)
+            s.fail(why)
         told = {room for room, s in self.senders.items() if s.peer is not None}
         for room, (peer, _) in self.claims.items():
             if room not in told:

@@ -813,7 +813,7 @@ class _InFlight:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or self.state.shutting_down:  # (one that comes later gets a 503)
             await self.app(scope, receive, send)
             return
         self.state.enter()
