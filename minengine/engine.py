@@ -124,7 +124,7 @@ def check_prompt(
     if params.allowed_token_ids is not None:  # (with none of them left, a row of -inf samples token 0)
         banned = {ids[0] for ids in bad_words_ids if len(ids) == 1}
         if params.min_tokens > 0:
-            banned |= params.stop_token_set if params.ignore_eos else params.stop_token_set | eos_token_ids
+            banned |= params.min_tokens_bans(eos_token_ids)
         if banned.issuperset(params.allowed_token_ids):
             raise ValueError(
                 f"allowed_token_ids is {params.allowed_token_ids!r:.80}, and bad_words or min_tokens "

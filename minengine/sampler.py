@@ -107,8 +107,7 @@ class Sampler:
             p = req.params
             if req.num_output_sampled <= p.min_tokens:  # (this step's token counts as sampled)
                 if req.end_ids is None:
-                    ends = p.stop_token_set if p.ignore_eos else self.eos_token_ids | p.stop_token_set
-                    req.end_ids = self._token_set(ends, vocab)
+                    req.end_ids = self._token_set(p.min_tokens_bans(self.eos_token_ids), vocab)
                 ending.append(j)
             banned += (j * vocab + ids[0] for ids in req.bad_words_ids if len(ids) == 1)
             if any(len(ids) > 1 for ids in req.bad_words_ids):

@@ -181,6 +181,11 @@ class SamplingParams:
         and may repeat ids)."""
         return frozenset(self.stop_token_ids or ())
 
+    def min_tokens_bans(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that cannot be sampled while ``min_tokens`` is not reached: ``stop_token_ids``,
+        and the model's end-of-sequence ids unless ``ignore_eos``."""
+        return self.stop_token_set if self.ignore_eos else self.stop_token_set | eos_token_ids
+
     @cached_property
     def penalizes(self) -> bool:
         """Presence, frequency or repetition penalties apply: the sampler keeps a count of this

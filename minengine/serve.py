@@ -208,9 +208,10 @@ def _bind(host: str, port: int) -> list[socket.socket]:
     which uvicorn calls, makes them: IPv6 ones IPv6-only), bound and not yet listening: a
     connection is refused until they listen."""
     socks: list[socket.socket] = []
+    missing: OSError | None = None  # as asyncio: an address of a family this machine lacks (::1) is skipped
     try:
-        infos = dict.fromkeys(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
-        for i, (family, kind, proto, _, address) in enumerate(infos):
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(infos):
             sock = socket.socket(family, kind, proto)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -218,12 +219,15 @@ def _bind(host: str, port: int) -> list[socket.socket]:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 sock.bind(address)
-            except OSError as exc:  # as asyncio: an address of a family this machine lacks (::1) is skipped
-                if exc.errno != errno.EADDRNOTAVAIL or (i == len(infos) - 1 and len(socks) == 1):
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
                     raise
+                missing = exc
                 socks.pop().close()
                 continue
             sock.set_inheritable(True)
+        if not socks and missing is not None:  # none of them: the host is not this machine's
+            raise missing
     except BaseException:
         for sock in socks:
             sock.close()
