@@ -647,6 +647,25 @@ def test_a_reconnect_with_the_same_identity_is_heard(pair, reference):
     pd.run_until(pd.idle)
 
 
+def test_a_quiet_decode_server_is_forgotten_with_its_nixl_agent(pair, reference, monkeypatch):
+    """A decode server silent for three timeouts, with nothing on the prefill side, is dropped
+    there, NIXL agent and all (each decode restart has a new name: they would pile up); one that
+    comes back says hello again and is served."""
+    pd = pair(timeout=0.3)
+    removed = []
+    remove = pd.p.xfer.mover.remove_peer
+    monkeypatch.setattr(pd.p.xfer.mover, "remove_peer", lambda name: (removed.append(name), remove(name)))
+    for rid in ("first", "again"):
+        pd.submit(rid, PROMPTS[2])
+        pd.run_until(pd.done(f"d:{rid}", f"p:{rid}"))
+        assert pd.out[f"d:{rid}"]["error"] is None
+        assert pd.out[f"d:{rid}"]["tokens"] == reference([PROMPTS[2]])[0]
+        assert list(pd.p.xfer.peers) == [pd.d.xfer.mover.agent_name.encode()]
+        pd.run_until(lambda: not pd.p.xfer.peers, timeout=10)
+    assert removed == [pd.d.xfer.mover.agent_name] * 2
+    pd.run_until(pd.idle)
+
+
 def test_metadata_outside_the_decode_pool_fails_the_request(pair, monkeypatch):
     pd = pair(decode_radix=False)
     send = transfer.KVReceiver.send_metadata

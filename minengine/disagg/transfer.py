@@ -248,6 +248,9 @@ class FakeMover:
     def add_peer(self, metadata: bytes) -> str:
         return ""
 
+    def remove_peer(self, name: str) -> None:
+        pass
+
     def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes):
         return None
 
@@ -291,6 +294,12 @@ class NixlMover:
     def add_peer(self, metadata: bytes) -> str:
         name = self.agent.add_remote_agent(metadata)
         return name.decode() if isinstance(name, bytes) else name
+
+    def remove_peer(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:  # (nothing of it is in use: a failure here only keeps its memory)
+            logger.warning("could not drop the NIXL agent %s: %s", name, exc)
 
     def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes):
         src = self.agent.get_xfer_descs(local, self.mem_type)
@@ -563,6 +572,24 @@ class PrefillTransfer:
             never_came = room not in self.senders and now - at > self.timeout  # the request never got here
             if quiet or never_came:
                 del self.claims[room]
+        self._drop_quiet_peers(now)
+
+    def _drop_quiet_peers(self, now: float) -> None:
+        """Forget a decode server silent for three timeouts that nothing here refers to, its NIXL
+        agent too: one idle that long has closed its connection (its next one says hello again,
+        and a message without one is answered "who"), and one restarted comes back under a new
+        name, so without this every decode restart would leave an agent here for good."""
+        stale = now - 3 * self.timeout
+        if all(p.last_heard >= stale for p in self.peers.values()):
+            return
+        in_use = {s.peer for s in self.senders.values()}
+        in_use.update(c[0] for c in self.claims.values())
+        in_use.update(e[0] for e in self.early.values())
+        in_use.update(a[0] for a in self.answers.values())
+        for peer in [k for k, p in self.peers.items() if p.last_heard < stale and k not in in_use]:
+            agent = self.peers.pop(peer).agent
+            if agent:  # ("" for a peer whose hello failed)
+                self.mover.remove_peer(agent)
 
     def _handle(self, peer: bytes, msg: tuple, now: float) -> None:
         kind = msg[0]
