@@ -47,6 +47,7 @@ MAX_PREFIXES = 1 << 18  # remembered prefix blocks per server (least recently us
 IMBALANCE = 8  # prefer the prefix match unless its server has this many more requests in flight
 PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefill half's answer
 DOWN_SECONDS = 5.0  # a server that refused a connection gets no new requests for this long (unless all did)
+ROLE_CHECK_SECONDS = 2.0  # for a server's /server_info, asked before its first request
 CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as long as generation does)
 MAX_ATTEMPTS = 3  # pairs a request may be sent to when servers refuse connections
 # connection failures where the server never saw the request: a refusal, or no answer to the connect
@@ -61,12 +62,15 @@ class Backend:
     in_flight: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)
     down_until: float = 0.0  # monotonic time: it refused a connection, so it is passed over until then
+    role_checked: bool = False  # its /server_info matched its role here (until it next refuses a connection)
 
     def unreachable(self, exc: BaseException | None) -> None:
         """Note a failed call: a connection error takes the server out of picking for a while
-        (a server that is down fails fast, so by load alone it would get most requests)."""
+        (a server that is down fails fast, so by load alone it would get most requests), and its
+        role is checked again (it may come back with other flags)."""
         if isinstance(exc, NEVER_SENT):
             self.down_until = time.monotonic() + DOWN_SECONDS
+            self.role_checked = False
 
     @property
     def host(self) -> str:
@@ -174,10 +178,52 @@ class Router:
                 self.retries.labels(server=str(refused)).inc()
         raise AssertionError("unreachable: the last attempt answers")
 
+    async def wrong_role(self, server: Backend, role: str) -> str | None:
+        """Why ``server`` cannot be this router's ``role`` ("prefill" or "decode") server, from
+        its ``/server_info``: another disaggregation mode, or (a prefill server) another bootstrap
+        port than the router was given, either of which would leave each request waiting out a
+        bootstrap timeout. None when it fits, and when it cannot tell (no answer, or a server
+        without the endpoint: the request itself then meets whatever is wrong). A server that
+        fits is not asked again until it refuses a connection."""
+        if server.role_checked:
+            return None
+        try:
+            resp = await self.client.get(server.url + "/server_info", timeout=ROLE_CHECK_SECONDS)
+            info = resp.json() if resp.status_code == 200 else None
+        except Exception:  # (only a hint: any failure to ask is "cannot tell", and asked again next time)
+            return None
+        if resp.status_code == 404:  # a server without it: nothing to check, ever
+            server.role_checked = True
+            return None
+        mode = info.get("disaggregation_mode") if isinstance(info, dict) else None
+        if mode is None:
+            return None
+        if mode != role:
+            what = "not a disaggregated server" if mode == "null" else f"a {mode} server"
+            return f"{server.url} is {what} (--disaggregation-mode {mode}), but the router has it as a {role} server"
+        port = info.get("disaggregation_bootstrap_port")
+        if role == "prefill" and port != server.bootstrap_port:
+            return (
+                f"the prefill server {server.url} has --disaggregation-bootstrap-port {port}, but the router "
+                f"was given {server.bootstrap_port}: give it as --prefill {server.url} {port}"
+            )
+        server.role_checked = True
+        return None
+
+    async def wrong_roles(self) -> list[str]:
+        """``wrong_role`` of every server."""
+        roles = [(b, "prefill") for b in self.prefill.backends] + [(b, "decode") for b in self.decode.backends]
+        return [w for w in await asyncio.gather(*(self.wrong_role(b, r) for b, r in roles)) if w is not None]
+
     async def _send(self, path: str, raw: Request, body: dict, key: str, retry: bool) -> Response:
         """One attempt on a new pair; raises ``_Refused`` (the other half cancelled) when ``retry``
         and a server refused the connection while another of its kind is up."""
         p, d = self.prefill.pick(key), self.decode.pick(key)
+        roles = await asyncio.gather(self.wrong_role(p, "prefill"), self.wrong_role(d, "decode"))
+        if (why := roles[0] or roles[1]) is not None:
+            logger.error("%s", why)
+            self.failures.labels(server=p.url if roles[0] else d.url).inc()
+            return error_response(502, why)
         self.requests.labels(prefill=p.url, decode=d.url).inc()
         boot = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port, "bootstrap_room": secrets.randbits(63)}
         prefill_body = {**body, **boot, "stream": False}
@@ -365,6 +411,8 @@ class Router:
         down = [u for u, up in zip(servers, states, strict=True) if not up]
         if down:
             return error_response(503, f"not healthy: {', '.join(down)}")
+        if wrong := await self.wrong_roles():
+            return error_response(503, f"misconfigured: {'; '.join(wrong)}")
         return Response(status_code=200)
 
     async def any_decode(self, path: str, body: bytes | None = None) -> Response:
@@ -476,7 +524,13 @@ def _failure(task: asyncio.Task, p: Backend) -> Response | None:
 def build_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        async def check() -> None:  # (servers still starting are checked at their first request)
+            for why in await router.wrong_roles():
+                logger.error("%s", why)
+
+        checking = asyncio.create_task(check())
         yield
+        checking.cancel()
         await router.close()
 
     app = FastAPI(title="minengine router", docs_url=None, redoc_url=None, lifespan=lifespan)

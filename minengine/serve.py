@@ -272,6 +272,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         name,
         metrics,
         config.disaggregation_mode,
+        config.disaggregation_bootstrap_port if config.disaggregation_mode == "prefill" else None,
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,

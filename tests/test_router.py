@@ -3,6 +3,7 @@ checked against a single server with the same checkpoint."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -218,6 +219,44 @@ def test_servers_reject_requests_without_a_pairing(cluster):
     assert r.status_code == 400 and "bootstrap_port is 70000; allowed: 1..65535" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("mistake", ["swapped", "single as decode", "bootstrap port"])
+def test_a_router_over_misconfigured_servers_says_so_at_once(cluster, mistake):
+    """A server in the wrong role, or a prefill server given with another bootstrap port than
+    its own, would leave every request waiting out a bootstrap timeout: the router asks each
+    server's /server_info first, and answers 502 naming the server and the fix."""
+    prefill, port, decode = cluster["prefill"], str(cluster["boot"]), cluster["decode"]
+    flags, message = {
+        "swapped": (
+            ("--prefill", decode, port, "--decode", prefill),
+            f"{decode} is a decode server (--disaggregation-mode decode), but the router has it as a prefill server",
+        ),
+        "single as decode": (
+            ("--prefill", prefill, port, "--decode", cluster["single"]),
+            f"{cluster['single']} is not a disaggregated server (--disaggregation-mode null), but the router",
+        ),
+        "bootstrap port": (
+            ("--prefill", prefill, "1", "--decode", decode),
+            f"has --disaggregation-bootstrap-port {port}, but the router was given 1: "
+            f"give it as --prefill {prefill} {port}",
+        ),
+    }[mistake]
+    info = httpx.get(prefill + "/server_info").json()
+    assert info["disaggregation_mode"] == "prefill" and info["disaggregation_bootstrap_port"] == cluster["boot"]
+    assert httpx.get(decode + "/server_info").json()["disaggregation_bootstrap_port"] is None
+    proc, url = start_router(*flags)
+    try:
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 502 and message in r.json()["error"]["message"], r.text
+        assert time.monotonic() - start < 2
+        r = httpx.get(url + "/health", timeout=30)
+        assert r.status_code == 503 and message in r.json()["error"]["message"]
+    finally:
+        stop_server(proc)
+    assert message in proc.stdout.read()  # (logged at start too)
+    assert idle(prefill, decode)
+
+
 def test_dead_prefill_server(cluster):
     """A router whose prefill server is gone answers with an error at once, and the decode
     server frees the request's KV (its prefill peer never answers)."""
@@ -307,13 +346,72 @@ def test_a_server_that_refuses_connections_is_passed_over():
     assert routing_key({"messages": 5}) == ""  # a body the server rejects is routed, not a 500
 
 
+def _no_server_info(handler):
+    """``handler`` behind servers without /server_info (a 404: the router checks no roles)."""
+
+    async def handle(request):
+        if request.url.path == "/server_info":
+            return httpx.Response(404, json={"error": {"message": "Not Found", "code": 404}})
+        answer = handler(request)
+        return await answer if inspect.isawaitable(answer) else answer
+
+    return handle
+
+
+def test_server_roles_are_asked_once_and_again_after_a_refusal():
+    """The router asks each server's /server_info before its first request, not after; a wrong
+    role is a 502 naming it; one that was right is asked again only once it refused a connection
+    (it may have come back with other flags); a server that cannot answer is used as is."""
+    import asyncio
+
+    from minengine.router import Backend, Router, build_app
+
+    asked, posts = [], []
+    modes = {"p": ("prefill", 1), "d": ("decode", None)}
+
+    async def handler(request):
+        host = request.url.host
+        if request.url.path == "/server_info":
+            asked.append(host)
+            if modes[host] is None:
+                raise httpx.ReadTimeout("no answer")
+            mode, port = modes[host]
+            return httpx.Response(200, json={"disaggregation_mode": mode, "disaggregation_bootstrap_port": port})
+        posts.append(host)
+        if host == "d" and len(posts) == 6:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
+
+    async def run(expect: int) -> str:
+        r = await http.post("/v1/completions", json={"prompt": "x"}, timeout=10)
+        assert r.status_code == expect, r.text
+        return r.json()["error"]["message"] if expect != 200 else ""
+
+    async def main():
+        await run(200)
+        await run(200)
+        assert sorted(asked) == ["d", "p"] and posts == ["p", "d", "p", "d"]
+        await run(502)  # the decode server refused: a 502 (one pair), and it is asked again
+        modes["d"] = ("prefill", 7)
+        assert "http://d is a prefill server (--disaggregation-mode prefill), but the router has it" in await run(502)
+        assert posts == ["p", "d", "p", "d", "p", "d"]  # (nothing sent to either half)
+        modes["d"] = None  # cannot tell: used as is
+        await run(200)
+        assert sorted(asked) == ["d", "d", "d", "p"]
+
+    router = Router([Backend("http://p", 1)], [Backend("http://d")])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
+    asyncio.run(main())
+
+
 def _one_pair_router(handler):
     """A router over fake servers (``handler`` answers both), a prefill at p and a decode at d,
     and a client of its app."""
     from minengine.router import Backend, Router, build_app
 
     router = Router([Backend("http://p", 1)], [Backend("http://d")])
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(_no_server_info(handler)))
     return router, httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
 
 
@@ -478,7 +576,7 @@ def _two_pair_router(handler):
     from minengine.router import Backend, Router, build_app
 
     router = Router([Backend("http://p1", 1), Backend("http://p2", 2)], [Backend("http://d1"), Backend("http://d2")])
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(_no_server_info(handler)))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
     return router, http
 

@@ -250,6 +250,7 @@ class ServerState:
     served_model_name: str
     metrics: Metrics
     mode: str = "null"  # disaggregation mode: null | prefill | decode
+    bootstrap_port: int | None = None  # a prefill server's: where decode servers reach it
     # vLLM's flags of the same names
     trust_request_chat_template: bool = False
     response_role: str = "assistant"
@@ -887,6 +888,16 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        """What a router checks before pairing this server (SGLang has an endpoint of this name)."""
+        return {
+            "version": __version__,
+            "served_model_name": state.served_model_name,
+            "disaggregation_mode": state.mode,
+            "disaggregation_bootstrap_port": state.bootstrap_port,
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
