@@ -194,12 +194,81 @@ def xgrammar() -> Any:
 @lru_cache(maxsize=256)
 def _parse(name: str, kind: str, source: str, any_whitespace: bool) -> None:
     """Compile (``kind``, ``source``, ``any_whitespace``); a ValueError naming the request's field
-    ``name`` if it does not."""
+    ``name`` if it does not, or if it is a schema with keywords the grammar would not enforce."""
     try:
         _compile(_empty_compiler(), (kind, source, any_whitespace))
     except (RuntimeError, ValueError, TypeError) as exc:
         what = "json is no JSON schema xgrammar takes" if kind == "json" else f"{name} does not parse"
         raise ValueError(f"structured_outputs {what}: {_first_line(exc)}") from None
+    if kind == "json" and (found := unenforced(json.loads(source))) is not None:
+        keyword, where = found
+        raise ValueError(
+            f"structured_outputs json uses {keyword} at {where or '/'}, which minengine cannot enforce "
+            "(its output could break it); allowed: schemas without it"
+        )
+
+
+# Keywords xgrammar (0.2.8, measured: a violating value is accepted) compiles without enforcing.
+# vLLM refuses some of them the same way with its xgrammar backend.
+_IGNORED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies")
+_IGNORED += ("contains", "minContains", "maxContains")
+# keywords that say nothing about the value (allowed beside $ref and allOf, which xgrammar reads
+# alone) and keywords that hold schemas (walked into, below)
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+_ANNOTATIONS |= {"$schema", "$id", "$anchor", "contentEncoding", "contentMediaType", "$defs", "definitions"}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("additionalProperties", "unevaluatedProperties", "items", "unevaluatedItems")
+# keywords of one type, which xgrammar ignores in a schema whose type it does not know (no
+# ``type``, and none of the keywords it infers a type from)
+_TYPED = {"minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum"}
+_TYPED |= {"exclusiveMaximum", "multipleOf", "minItems", "maxItems", "required", "minProperties", "maxProperties"}
+_TYPED |= {"patternProperties", "propertyNames"}
+_INFERS_TYPE = {"type", "properties", "additionalProperties", "items", "prefixItems"}
+
+
+def unenforced(schema: Any, where: str = "") -> tuple[str, str] | None:
+    """The first (keyword, JSON pointer) in ``schema`` that a grammar compiled from it would not
+    enforce (so a constrained output could break the schema); None if there is none."""
+    if not isinstance(schema, dict):
+        return None
+    keys = set(schema)
+    for keyword in _IGNORED:
+        if keyword in keys:
+            return keyword, where
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems", where
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"$ref {ref!r:.80} (only references into the schema itself are read)", where
+    for alone in ("$ref", "allOf"):
+        if alone in keys and (beside := sorted(keys - _ANNOTATIONS - {alone})):
+            return f"{alone} beside {beside[0]} (read alone)", where
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf with more than one schema", where
+    typed = sorted(keys & _TYPED)
+    if typed and ("enum" in keys or "const" in keys):
+        return f"{typed[0]} beside {'enum' if 'enum' in keys else 'const'}", where
+    if typed and not keys & _INFERS_TYPE:
+        return f"{typed[0]} without a type", where
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                if (found := unenforced(sub, f"{where}/{key}/{_pointer(name)}")) is not None:
+                    return found
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                if (found := unenforced(sub, f"{where}/{key}/{i}")) is not None:
+                    return found
+    for key in _SCHEMA_VALUES:
+        if (found := unenforced(schema.get(key), f"{where}/{key}")) is not None:
+            return found
+    return None
+
+
+def _pointer(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
 
 
 @lru_cache(maxsize=1)

@@ -133,6 +133,61 @@ def test_a_bad_constraint_is_a_value_error_naming_it(fields, message):
     assert message in str(err.value)
 
 
+OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ({"not": {"type": "string"}}, "uses not at /,"),
+        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "uses not at /properties/a,"),
+        (OBJ_AB | {"if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, "uses if at /,"),
+        (OBJ_AB | {"dependentRequired": {"a": ["b"]}}, "uses dependentRequired"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uses uniqueItems"),
+        ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "uses contains"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "uses allOf with more than one schema"),
+        (OBJ_AB | {"allOf": [{"required": ["a"]}]}, "uses allOf beside properties (read alone)"),
+        ({"$ref": "https://example.com/s.json"}, "uses $ref 'https://example.com/s.json' (only references into"),
+        ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, "uses $ref beside minimum"),
+        ({"minLength": 3}, "uses minLength without a type at /,"),
+        (OBJ_AB | {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "uses required without a type at /anyOf/0,"),
+        ({"type": "string", "enum": ["abc"], "maxLength": 1}, "uses maxLength beside enum"),
+        ({"$defs": {"a/b": {"maxItems": 1}}, "type": "integer"}, "uses maxItems without a type at /$defs/a~1b,"),
+    ],
+)
+def test_a_schema_keyword_the_grammar_would_not_enforce_is_refused(schema, message):
+    """xgrammar compiles these without enforcing them (a value that breaks the schema is
+    accepted): the request is refused, naming the keyword and where it is, not run unchecked."""
+    with pytest.raises(ValueError, match="which minengine cannot enforce") as err:
+        StructuredOutputs(json=schema).check()
+    assert f"structured_outputs json {message}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "schema, breaks",
+    [
+        ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "description": "pydantic's"}, "s"),
+        ({"$defs": {"i": {"type": "integer"}}, "allOf": [{"$ref": "#/$defs/i"}], "title": "T"}, "s"),
+        ({"anyOf": [{"type": "string", "maxLength": 2}, {"type": "null"}], "default": None}, "abc"),
+        ({"type": "string", "enum": ["a", "b"], "description": "d"}, "c"),
+        ({"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {}),
+        ({"type": "object", "additionalProperties": False, "properties": {"a": {"type": "integer"}}}, {"a": 1, "b": 2}),
+        ({"type": ["string", "null"], "minLength": 3}, "a"),
+        ({"type": "object", "propertyNames": {"pattern": "^a"}}, {"b": 1}),
+        ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, True),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, ["s"]),
+    ],
+)
+def test_a_schema_that_is_allowed_is_enforced(schema, breaks):
+    """What passes the check is enforced: a value that breaks the schema is not accepted."""
+    from minengine.structured import _empty_compiler
+
+    StructuredOutputs(json=schema).check()
+    grammar = _empty_compiler().compile_json_schema(json.dumps(schema), any_whitespace=False)
+    matcher = xgr.GrammarMatcher(grammar)
+    assert not (matcher.accept_string(json.dumps(breaks)) and matcher.is_completed())
+
+
 def test_the_mask_bans_exactly_the_tokens_whose_bits_are_0():
     g = torch.Generator().manual_seed(0)
     for vocab in (1, 31, 32, 70, 260):
@@ -699,6 +754,11 @@ def test_tool_choice_required_runs_under_its_schema(client):
             'response_format schema is no JSON schema xgrammar takes: Unsupported type "bogus"',
         ),
         ({"structured_outputs": {"regex": "("}}, "structured_outputs", "regex does not parse"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"not": {"type": "string"}}}}},
+            "response_format",
+            "response_format schema uses not at /, which minengine cannot enforce",
+        ),
         ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", 'has field "regexp"; allowed: json, regex'),
         ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "whitespace_pattern"),
         ({"structured_outputs": {}}, "structured_outputs", "gives no constraint"),

@@ -447,6 +447,9 @@ def test_llama3_json_answers(chat_api):
     ]
 
 
+UNIQUE = {"type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
@@ -465,6 +468,20 @@ def test_llama3_json_answers(chat_api):
         ({"tools": [{"type": "retrieval", "function": {"name": "a"}}]}, "tools.0.type"),
         ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools.0.function.name"),
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+        (
+            {
+                "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": UNIQUE}}],
+            },
+            "tool_choice schema uses uniqueItems at /items/anyOf/0/properties/parameters/properties/ids, which",
+        ),
+        (
+            {
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+                "tools": [{"function": {"name": "f", "parameters": UNIQUE}}],
+            },
+            "tool_choice schema uses uniqueItems at /properties/ids, which minengine cannot enforce",
+        ),
     ],
 )
 def test_what_cannot_be_done_is_a_400(chat_api, fields, message):
