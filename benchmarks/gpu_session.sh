@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh tests      # build minengine._C, kernel tests (triton + cuda), pytest -m gpu, memcheck
 #   bash benchmarks/gpu_session.sh kernels    # bench_attention (core + full grid, auto's tuning table), ncu
 #   bash benchmarks/gpu_session.sh engine     # bench_decode (roofline, idle), bench_offline, bench_host_step, bench_sampler, bench_structured, bench_frontend
-#   bash benchmarks/gpu_session.sh serving [GROUP...]  # run_ablations.sh groups, default: backends overlap chunk delayer
+#   bash benchmarks/gpu_session.sh serving GROUP...    # run_ablations.sh groups: backends | overlap chunk | delayer
 #   bash benchmarks/gpu_session.sh disagg     # bench_disagg.py (router, decode radix cache off/on)
 #
 # Each phase runs its steps in order of importance within GPU_PHASE_SECONDS (default 520: the device
@@ -21,8 +21,10 @@
 # --triton-variants times stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d;
 # the cuda columns and ncu time stop 43's CUDA tile changes, and their fp64 error column is the
 # first check of them on a GPU), then within the machine's 30 s idle window `serving backends`
-# (FlashInfer's JIT cache is still there), `serving overlap chunk delayer`, the rest of engine,
-# disagg; tests again when a session has the time (the CUDA kernels changed since they passed).
+# (FlashInfer's JIT cache is still there), `serving overlap chunk` (about 450 s: a server start
+# is about 45 s, and chunk's 100 long prompts arrive over 50 s), `serving delayer`, the rest of
+# engine, disagg; tests again when a session has the time (the CUDA kernels changed since they
+# passed). A group's run cut off by the budget is lost whole (bench_serving writes at its end).
 # Carry the `base` wheels for tests (FlashInfer's tests then skip: its JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving.
 #
@@ -105,7 +107,9 @@ case $PHASE in
     # table (commit it to minengine/ops/tuning/) hold what it measured
     step bench_attention python3 benchmarks/bench_attention.py --suite full --write-tuning --triton-variants \
       --flashinfer-grid target --flashinfer-warmup 240 --time-budget $(($(left) - 150)) --out "$WORK/results"
-    cp minengine/ops/tuning/*.json "$WORK/results/" 2>/dev/null
+    # moved, not copied: left in the tree, it would turn `auto` into its per-shape mix in every later
+    # phase on this machine (bench_decode, the ablations' servers), unlike the runs it is compared with
+    mv minengine/ops/tuning/*.json "$WORK/results/" 2>/dev/null
     pack
     step ncu bash profiles/ncu_kernels.sh
     cp profiles/out/ncu_*.txt profiles/out/ncu_summary.md "$WORK/logs/" 2>/dev/null
@@ -123,7 +127,11 @@ case $PHASE in
     step bench_offline python3 benchmarks/bench_offline.py --hf-model qwen3-0.6b --out "$WORK/results"
     ;;
   serving)
-    [ $# -eq 0 ] && set -- backends overlap chunk delayer
+    if [ $# -eq 0 ]; then  # all four take about 900 s and more: no call fits them
+      echo "serving needs its groups, about what fits one call: 'backends' (FlashInfer's JIT warm-up, then"
+      echo "3 servers, ~400 s), 'overlap chunk' (5 servers, ~450 s), 'delayer' (2 servers, ~150 s)"
+      exit 2
+    fi
     fi_tests=0
     case " $* " in
       *" backends "* | *" backends-eager "*)

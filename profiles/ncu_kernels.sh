@@ -5,9 +5,12 @@
 # On an sm_90 GPU also cuda-wgmma (the CUDA kernel's prefill tiles on wgmma).
 #   bash profiles/ncu_kernels.sh          -> profiles/out/ncu_<backend>.txt, and a row per kernel of
 #                                            each in profiles/out/ncu_summary.md (profiles/ncu_summary.py)
-set -euo pipefail
+# A backend whose run fails does not stop the others; the exit code is 1 if any failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p profiles/out
+rm -f profiles/out/ncu_*.txt profiles/out/ncu_summary.md  # (an earlier run's must not pass for this one's)
+rc=0
 backends="triton cuda"
 if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
   backends="$backends cuda-wgmma"
@@ -24,11 +27,12 @@ for backend in $backends; do
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section ComputeWorkloadAnalysis \
       --kernel-name regex:'attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \
-      python3 profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt
-  echo "wrote profiles/out/ncu_$backend.txt"
+      python3 profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt \
+    && echo "wrote profiles/out/ncu_$backend.txt" || { echo "ncu on $backend FAILED"; rc=1; }
 done
 reports=""
-for backend in $backends; do reports="$reports profiles/out/ncu_$backend.txt"; done
+for backend in $backends; do [ -s profiles/out/ncu_$backend.txt ] && reports="$reports profiles/out/ncu_$backend.txt"; done
 # shellcheck disable=SC2086
-python3 profiles/ncu_summary.py $reports > profiles/out/ncu_summary.md
-echo "wrote profiles/out/ncu_summary.md"
+[ -n "$reports" ] && python3 profiles/ncu_summary.py $reports > profiles/out/ncu_summary.md \
+  && echo "wrote profiles/out/ncu_summary.md" || rc=1
+exit $rc

@@ -12,5 +12,7 @@ nsys profile --trace=cuda,nvtx,osrt --sample=none --force-overwrite=true -o prof
 until python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do sleep 1; kill -0 $pid; done
 python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:$PORT --dataset random --num-prompts 64 \
   --random-input-len 512 --random-output-len 64 --no-progress --out profiles/out
-kill -TERM $pid; wait $pid || true
+# SIGINT, as Ctrl-C: nsys ends the collection, sends the server its --kill signal (SIGTERM, which
+# the server drains on) and writes the report; a SIGTERM to nsys itself is not documented to do so
+kill -INT $pid; wait $pid || true
 nsys stats --report cuda_gpu_kern_sum,nvtx_sum profiles/out/serving.nsys-rep | head -60
