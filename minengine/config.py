@@ -22,6 +22,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "least_loaded")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("nixl", "fake")
 KV_ADMISSIONS = ("preempt", "reserve")
+GENERATION_CONFIGS = ("auto", "vllm")
 # fields whose values come from a fixed list (the CLI offers them as choices)
 CHOICES = {
     "device": DEVICES,
@@ -33,6 +34,7 @@ CHOICES = {
     "disaggregation_mode": DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": TRANSFER_BACKENDS,
     "kv_admission": KV_ADMISSIONS,
+    "generation_config": GENERATION_CONFIGS,
 }
 
 
@@ -41,6 +43,9 @@ class EngineConfig:
     model: str = "tiny"
     tokenizer: str | None = None  # defaults to the model directory
     load_format: str = "auto"  # "dummy": seeded random weights, only config.json needed (benchmarks)
+    # as vLLM's: "auto", a request that leaves out temperature, top_p, top_k, min_p or
+    # repetition_penalty takes the model's generation_config.json value; "vllm": SamplingParams' defaults
+    generation_config: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
@@ -81,6 +86,7 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("layer_kernels", self.layer_kernels, LAYER_KERNELS)
         _choice("load_format", self.load_format, LOAD_FORMATS)
+        _choice("generation_config", self.generation_config, GENERATION_CONFIGS)
         _choice("load_balance_method", self.load_balance_method, LOAD_BALANCE_METHODS)
         _choice("kv_admission", self.kv_admission, KV_ADMISSIONS)
         _int_at_least("prefill_delayer_max_delay_passes", self.prefill_delayer_max_delay_passes, 1)

@@ -17,7 +17,7 @@ from minengine.config import EngineConfig
 from minengine.detokenizer import stop_reason
 from minengine.engine import Engine, check_prompt, resolve_max_tokens, truncation
 from minengine.logprobs import Logprob, output_logprobs, prompt_offline
-from minengine.models import load_tokenizer
+from minengine.models import load_tokenizer, sampling_defaults
 from minengine.sampling_params import SamplingParams
 
 
@@ -78,6 +78,7 @@ class LLM:
                 f"disaggregation_mode is {self.config.disaggregation_mode!r}; LLM runs whole requests, allowed: "
                 "'null' (prefill and decode servers are started with python -m minengine.serve)"
             )
+        self.sampling_defaults = sampling_defaults(self.config.model, self.config.generation_config)
         self.engine: Engine | None = None
         self._workers: _Workers | None = None
         if self.config.dp_size == 1:
@@ -87,6 +88,11 @@ class LLM:
             self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
             self._workers = _Workers(self.config, self.tokenizer)
         self._closed = False
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what a generate or chat call without sampling params samples with (the model's
+        generation_config.json fields, ``EngineConfig.generation_config``)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def generate(
         self,
@@ -117,7 +123,7 @@ class LLM:
                     raise ValueError(f"prompt {i}: {exc}") from None
             ids.append(p_ids)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, list) else [sampling_params] * len(ids)
         if len(params) != len(ids):
             raise ValueError(f"{len(params)} sampling_params for {len(ids)} prompts; give one, or one per prompt")
@@ -210,9 +216,15 @@ class LLM:
         reqs = [self.engine.new_request(p_ids, p) for p_ids, p in zip(ids, params, strict=True)]
         for req in reqs:  # queued only once every one is made: a bad request leaves none behind
             self.engine.scheduler.add(req)
-        while self.engine.has_unfinished():
-            bar.update(sum(r.finished for r in self.engine.step()))
-            self.engine.drain_delayer_outcomes()  # the server's metrics read them; offline they go
+        try:
+            while self.engine.has_unfinished():
+                bar.update(sum(r.finished for r in self.engine.step()))
+                self.engine.drain_delayer_outcomes()  # the server's metrics read them; offline they go
+        except BaseException:  # (an error in a step, or Ctrl-C): the next call must not run these first
+            for r in reqs:
+                if not r.finished:
+                    self.engine.abort(r)
+            raise
         results = []
         for r in reqs:
             last = r.output_ids[-1] if r.output_ids else None

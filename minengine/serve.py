@@ -242,7 +242,7 @@ def _bind_error(prog: str, host: str, port: int, exc: OSError) -> str:
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
-    from minengine.models import load_tokenizer
+    from minengine.models import load_tokenizer, sampling_defaults
     from minengine.server.api import ServerState, build_app
     from minengine.server.metrics import Metrics
     from minengine.server.workers import Workers
@@ -261,6 +261,11 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     except OSError as exc:
         print(_bind_error(prog, args.host, args.port, exc), file=sys.stderr)
         return 2
+    try:
+        defaults = sampling_defaults(config.model, config.generation_config)
+    except ValueError as exc:  # a value in the model's generation_config.json
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
     metrics = Metrics()
     workers = Workers(config, metrics)  # the schedulers load the model; the port opens once they are ready
     name = args.served_model_name or config.model
@@ -273,6 +278,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         metrics,
         config.disaggregation_mode,
         config.disaggregation_bootstrap_port if config.disaggregation_mode == "prefill" else None,
+        defaults,
         trust_request_chat_template=args.trust_request_chat_template,
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,

@@ -3,8 +3,10 @@
 Encoding adds special tokens through the file's post-processor, as transformers 5 does (it
 ignores ``add_bos_token`` / ``add_eos_token`` in ``tokenizer_config.json`` when a
 ``tokenizer.json`` is present, and so do we). Decoding skips special tokens. The chat template
-comes from ``tokenizer_config.json`` (or ``chat_template.jinja``) and is rendered with jinja2
-the way transformers renders it; without one, a ChatML template is used.
+comes from ``chat_template.jinja`` (or, without that file, ``tokenizer_config.json``), as
+transformers takes it, and is rendered with jinja2 the way transformers renders it, the special
+tokens as variables; without one, a ChatML template is used. Special tokens missing from
+``tokenizer_config.json`` are read from ``special_tokens_map.json``, as transformers reads them.
 """
 
 from __future__ import annotations
@@ -25,13 +27,23 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+# the special tokens transformers passes a chat template by name
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def _token_str(value: Any) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
+
+
+def _json_file(file: Path) -> dict[str, Any]:
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, special: dict[str, str | None], chat_template: str | None):
         self.backend = backend
+        self.special_tokens = {k: v for k, v in special.items() if v is not None}
         self.bos_token, self.eos_token = special.get("bos_token"), special.get("eos_token")
         self.chat_template = chat_template or DEFAULT_CHAT_TEMPLATE
         self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token else None
@@ -47,14 +59,16 @@ class Tokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         backend = HFTokenizer.from_file(str(file))
-        cfg_file = path / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        special = {k: _token_str(cfg.get(k)) for k in ("bos_token", "eos_token")}
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-        if template is None and (path / "chat_template.jinja").is_file():
+        cfg = _json_file(path / "tokenizer_config.json")
+        older = _json_file(path / "special_tokens_map.json")  # (an older checkpoint's only record of them)
+        special = {k: _token_str(cfg.get(k)) or _token_str(older.get(k)) for k in SPECIAL_TOKENS}
+        if (path / "chat_template.jinja").is_file():  # the file comes first, as in transformers
             template = (path / "chat_template.jinja").read_text()
+        else:
+            template = cfg.get("chat_template")
+            if isinstance(template, list):  # named templates: take the default one
+                named = (t["template"] for t in template if t.get("name") == "default")
+                template = next(named, template[0]["template"])
         return cls(backend, special, template)
 
     @property
@@ -115,7 +129,7 @@ class Tokenizer:
         if continue_final_message:
             messages, final = _tag_final_message(messages)
         # tools and documents as transformers passes them when a request has none
-        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        context = {"bos_token": "", "eos_token": "", **self.special_tokens}
         context |= {"tools": None, "documents": None, **kwargs}
         text = template.render(context, messages=messages, add_generation_prompt=add_generation_prompt)
         if continue_final_message:

@@ -497,6 +497,12 @@ def test_loading_errors(qwen3_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg | {"hidden_act": "gelu"}))  # the MLP computes SiLU only
     with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'.*supported: silu"):
         LLM(str(bad))
+    # a head dim the attention kernels do not take: refused at load, not at every generate
+    (bad / "config.json").write_text(json.dumps(cfg | {"head_dim": 16}))
+    with pytest.raises(
+        ValueError, match="head dim 16 in .*config.json is not supported; allowed: multiples of 16 from 32"
+    ):
+        LLM(str(bad))
     # weights the config has no place for (a layer, a bias) would be dropped: the model would run wrong
     (bad / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 1}))
     with pytest.raises(ValueError, match="of 1 layers as its config.json describes has no place for: model.layers.1"):
@@ -747,6 +753,85 @@ def test_tokenizer_ignores_add_bos_eos_switches_like_transformers(qwen3_dir, tmp
     cfg = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps(cfg | {"add_bos_token": False, "add_eos_token": True}))
     assert Tokenizer.from_dir(path).encode("Hello world") == AutoTokenizer.from_pretrained(path).encode("Hello world")
+
+
+def test_tokenizer_files_are_read_as_transformers_reads_them(qwen3_dir, tmp_path):
+    """chat_template.jinja comes before tokenizer_config.json's template; special tokens missing
+    from tokenizer_config.json come from special_tokens_map.json (an older checkpoint's only
+    record of them), and every special token reaches the template by name."""
+    from transformers import AutoTokenizer
+
+    from minengine.tokenizer import Tokenizer
+
+    path = tmp_path / "older"
+    shutil.copytree(qwen3_dir, path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    moved = {k: cfg.pop(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token") if cfg.get(k) is not None}
+    assert "eos_token" in moved
+    cfg["chat_template"] = "OLD{{ messages[0]['content'] }}"
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (path / "special_tokens_map.json").write_text(json.dumps(moved))
+    (path / "chat_template.jinja").write_text(
+        "{{ bos_token }}NEW{{ messages[0]['content'] }}{{ eos_token }}[{{ pad_token }}][{{ unk_token }}]"
+    )
+    ours, theirs = Tokenizer.from_dir(path), AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "hi"}]
+    want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert ours.apply_chat_template(messages, add_generation_prompt=False) == want
+    assert "NEW" in want and moved["eos_token"] in want
+    assert ours.eos_token_id == theirs.eos_token_id is not None
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_generate_leaves_nothing_running(monkeypatch, error):
+    """A step that raises (Ctrl-C, a failing kernel) ends generate with the error, and its requests
+    are aborted: the next call does not run them first."""
+    llm = LLM("tiny")
+    step, calls = llm.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise error("stop")
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(error):
+        llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    assert not llm.engine.scheduler.has_unfinished()
+    calls.clear()
+    out = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert len(out.token_ids) == 1 and len(calls) <= 3
+    acc = llm.engine.scheduler.accounting()
+    assert acc["held_by_requests"] == 0
+    llm.shutdown()
+
+
+def test_generation_config_sampling_fields_are_the_defaults(qwen3_dir, tmp_path):
+    """As vLLM's --generation-config auto: a generate call without sampling params samples with
+    the sampling fields of the model's generation_config.json (top_k 1 here: greedy at any
+    temperature); "vllm" leaves them out; a value SamplingParams does not take names the file."""
+    path = tmp_path / "recommended"
+    shutil.copytree(qwen3_dir, path)
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps(gen | {"temperature": 0.7, "top_k": 1, "do_sample": True}))
+    prompts = [[5 + i, 9, 17 + i] for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(path))
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.7, top_k=1)
+    want = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    got = llm.generate(prompts, use_tqdm=False)
+    assert [o.token_ids[:6] for o in got] == want
+    llm.shutdown()
+    llm = LLM(str(path), generation_config="vllm")
+    assert llm.get_default_sampling_params() == SamplingParams()
+    llm.shutdown()
+    (path / "generation_config.json").write_text(json.dumps(gen | {"top_p": 0}))
+    with pytest.raises(ValueError, match="generation_config.json: top_p is 0; allowed: a number in \\(0, 1\\]"):
+        LLM(str(path))
+    with pytest.raises(ValueError, match="generation_config is 'hf'; allowed: auto, vllm"):
+        LLM(str(path), generation_config="hf")
 
 
 def test_max_tokens_none_generates_up_to_the_context():

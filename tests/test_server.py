@@ -842,6 +842,22 @@ def test_a_refused_disaggregated_request_tells_the_other_server(mode, path, body
     assert r.status_code in (400, 404) and told == ([] if mode == "decode" else [(Bootstrap("", 0, 42), ANY)])
 
 
+def test_a_request_takes_the_generation_config_defaults_for_what_it_leaves_out():
+    """The model's generation_config.json sampling fields (``ServerState.sampling_defaults``)
+    stand in for the fields a request leaves out or sends as null, not for those it gives."""
+    from minengine.server.api import ChatCompletionRequest, CompletionRequest, sampling_params
+
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    for cls, extra in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": []})):
+        p = sampling_params(cls.model_validate(extra), 16, defaults=defaults)
+        assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.6, 0.95, 20, 0.0)
+        req = cls.model_validate(extra | {"temperature": 1.0, "top_k": None, "min_p": 0.1})
+        p = sampling_params(req, 16, defaults=defaults)
+        assert (p.temperature, p.top_p, p.top_k, p.min_p) == (1.0, 0.95, 20, 0.1)
+        p = sampling_params(cls.model_validate(extra), 16)
+        assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, -1)
+
+
 def test_scheduler_exits_when_front_end_dies(tmp_path):
     proc, _ = start_server(tmpdir=tmp_path)
     kids = children(proc.pid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,10 @@ import torch
 from minengine.models.config import ARCHITECTURES, ModelConfig
 from minengine.models.decoder import CausalLM, ForwardBatch
 from minengine.models.tiny import TINY_CONFIG, init_random_weights, tiny_tokenizer
+from minengine.sampling_params import SamplingParams
 from minengine.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
 TINY = "tiny"
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "load_model",
     "load_model_config",
     "load_tokenizer",
+    "sampling_defaults",
 ]
 
 
@@ -59,6 +63,31 @@ def load_model_config(model: str) -> ModelConfig:
         ids = tuple(dict.fromkeys([*model_cfg.eos_token_ids, *extra]))
         model_cfg = dataclasses.replace(model_cfg, eos_token_ids=ids)
     return model_cfg
+
+
+# generation_config.json's fields that become defaults of requests (vLLM's list, less max_new_tokens)
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model: str, generation_config: str = "auto") -> dict[str, Any]:
+    """What vLLM's ``--generation-config auto`` takes from the model's generation_config.json: the
+    ``SAMPLING_DEFAULTS`` it sets, which requests that leave them out use instead of
+    ``SamplingParams``' defaults. None for "vllm", or a model without the file; ValueError naming
+    the file and the field for a value ``SamplingParams`` does not take."""
+    if generation_config == "vllm" or model == TINY:
+        return {}
+    file = _model_dir(model) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    cfg = _read_json(file)
+    defaults = {k: cfg[k] for k in SAMPLING_DEFAULTS if cfg.get(k) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc} (--generation-config vllm leaves the file's sampling fields out)") from None
+    if defaults:
+        logger.info("requests that leave them out sample with %s (%s; --generation-config vllm: not)", defaults, file)
+    return defaults
 
 
 def load_tokenizer(tokenizer: str) -> Tokenizer:

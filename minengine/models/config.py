@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from triton_kernels.contract import MAX_HEAD_DIM, MIN_HEAD_DIM
+
 # architecture name -> (q/k/v projections have a bias, per-head q/k RMSNorm)
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
@@ -80,6 +82,12 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {act!r} in {where}; supported: {', '.join(_SILU)}")
         attention_bias = arch in _ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0):  # (every attention backend's)
+            raise ValueError(
+                f"head dim {head_dim} in {where} is not supported; allowed: multiples of 16 from {MIN_HEAD_DIM} "
+                f"to {MAX_HEAD_DIM} (head_dim, else hidden_size / num_attention_heads)"
+            )
         eos = cfg.get("eos_token_id")
         use_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
         return cls(
@@ -90,7 +98,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),

@@ -251,6 +251,7 @@ class ServerState:
     metrics: Metrics
     mode: str = "null"  # disaggregation mode: null | prefill | decode
     bootstrap_port: int | None = None  # a prefill server's: where decode servers reach it
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for the fields a request leaves out
     # vLLM's flags of the same names
     trust_request_chat_template: bool = False
     response_role: str = "assistant"
@@ -441,12 +442,14 @@ def sampling_params(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     forced: tuple[StructuredOutputs, str] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """``req``'s sampling parameters; ``max_tokens`` came from the field ``max_tokens_field``;
     ``logprobs``: the top tokens to list per output token (None: no logprobs);
     ``prompt_logprobs``: per prompt token (None: ``req.prompt_logprobs``, which a stream accepts
     only as 0 and then computes none, as vLLM); ``forced``: the structured outputs a chat's
-    ``tool_choice`` asks for, and that field's name."""
+    ``tool_choice`` asks for, and that field's name; ``defaults``: values for the fields the
+    request left out (the model's generation_config.json's, ``sampling_defaults``)."""
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n is {req.n}; allowed: 1..{MAX_N}", "n")
     asked = req.prompt_logprobs
@@ -457,13 +460,12 @@ def sampling_params(
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     structured = structured_for(req, forced)
+    chosen = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    chosen |= {k: v for k, v in (defaults or {}).items() if k not in req.model_fields_set}  # (null: left out)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,  # (None: all the room each prompt leaves, ``_choices``)
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
+            **chosen,
             seed=req.seed,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
@@ -475,7 +477,6 @@ def sampling_params(
             prompt_logprobs=asked if prompt_logprobs is None else prompt_logprobs,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
-            repetition_penalty=req.repetition_penalty,
             min_tokens=req.min_tokens,
             logit_bias=_logit_bias(req.logit_bias),
             allowed_token_ids=req.allowed_token_ids,
@@ -931,7 +932,9 @@ def build_app(state: ServerState) -> FastAPI:
                 why = "max_tokens is 0; allowed: an integer >= 1, or 0 with echo (the prompt alone)"
                 raise APIError(400, why, "max_tokens")
             max_tokens = 1 if prompt_only else req.max_tokens
-            params = sampling_params(req, max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs)
+            params = sampling_params(
+                req, max_tokens, logprobs=req.logprobs, prompt_logprobs=echo_logprobs, defaults=state.sampling_defaults
+            )
             choices = _choices(state, prompts, params, bootstrap, echo=texts if req.echo else None)
             for c in choices:
                 c.prompt_only = prompt_only
@@ -964,7 +967,8 @@ def build_app(state: ServerState) -> FastAPI:
             bootstrap = bootstrap_of(state, req, 1)
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             named = _named_function(req)  # (tool_parser checked it)
-            params = sampling_params(req, max_tokens, field_name, logprobs, forced=forced_tool(req, named))
+            forced = forced_tool(req, named)
+            params = sampling_params(req, max_tokens, field_name, logprobs, forced, state.sampling_defaults)
             final = chat_messages([_message(req.messages[-1])])[0]["content"] if req.continue_final_message else None
             opens = state.reasoning_parser is not None and prompt_opens_reasoning(text, final)
             # (a prefill server's too: the first token it samples is the grammar's only after reasoning)
