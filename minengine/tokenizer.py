@@ -7,6 +7,8 @@ comes from ``chat_template.jinja`` (or, without that file, ``tokenizer_config.js
 transformers takes it, and is rendered with jinja2 the way transformers renders it, the special
 tokens as variables; without one, a ChatML template is used. Special tokens missing from
 ``tokenizer_config.json`` are read from ``special_tokens_map.json``, as transformers reads them.
+A Llama tokenizer converted from SentencePiece (Llama 2's) gets the normalizer, pre-tokenizer
+and decoder transformers 5's ``LlamaTokenizer`` builds in place of the file's (``_as_llama``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, pre_tokenizers
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -38,6 +41,29 @@ def _token_str(value: Any) -> str | None:
 
 def _json_file(file: Path) -> dict[str, Any]:
     return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _as_llama(cfg: dict[str, Any], model_cfg: dict[str, Any], file: Path) -> bool:
+    """Whether transformers 5 loads this tokenizer as its ``LlamaTokenizer``: the class the config
+    names, for a Llama model (or a directory without a model config: another model type brings its
+    own class), and a file that is not byte-level (Llama 3's, which it loads as it is)."""
+    declared = str(cfg.get("tokenizer_class") or "").removesuffix("Fast")
+    model_type = model_cfg.get("model_type")
+    return declared == "LlamaTokenizer" and model_type in (None, "llama") and '"ByteLevel"' not in file.read_text()
+
+
+def _llama_pipeline(backend: HFTokenizer, cfg: dict[str, Any]) -> None:
+    """transformers 5's ``LlamaTokenizer``: the file's vocabulary, merges, added tokens and
+    post-processor, with no normalizer, a Metaspace pre-tokenizer that adds the leading "▁" to the
+    first piece only ("first"; every piece, as SentencePiece does, with ``legacy``; none without
+    ``add_prefix_space``), and the decoder that matches it."""
+    prefix = cfg.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if cfg.get("legacy", False) else "first") if prefix else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
 
 
 class Tokenizer:
@@ -60,6 +86,8 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         backend = HFTokenizer.from_file(str(file))
         cfg = _json_file(path / "tokenizer_config.json")
+        if _as_llama(cfg, _json_file(path / "config.json"), file):
+            _llama_pipeline(backend, cfg)
         older = _json_file(path / "special_tokens_map.json")  # (an older checkpoint's only record of them)
         special = {k: _token_str(cfg.get(k)) or _token_str(older.get(k)) for k in SPECIAL_TOKENS}
         if (path / "chat_template.jinja").is_file():  # the file comes first, as in transformers

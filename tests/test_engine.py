@@ -834,6 +834,42 @@ def test_generation_config_sampling_fields_are_the_defaults(qwen3_dir, tmp_path)
         LLM(str(path), generation_config="hf")
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", None])
+def test_a_sentencepiece_llama_tokenizer_encodes_as_transformers_5(tmp_path, model_type):
+    """Llama 2's tokenizer.json (converted from SentencePiece: a Prepend("▁") normalizer)
+    declares LlamaTokenizer, which transformers 5 rebuilds (no normalizer, a Metaspace that marks
+    only the first piece, unless legacy): minengine encodes and decodes as AutoTokenizer does, for
+    a Llama model or none; a Mistral model's file is read as it is."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, normalizers, processors, trainers
+    from transformers import AutoTokenizer
+
+    from minengine.tokenizer import Tokenizer
+
+    hf = HF(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=special, show_progress=False)
+    hf.train_from_iterator(["The quick brown fox [INST] hello world, said the  dog"] * 20, trainer)
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    if model_type is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    texts = [" hello", "hello world", "<s>[INST] hello [/INST]", "</s> The", "  two  spaces ", "naïve 🚀", ""]
+    for extra in ({}, {"legacy": True}, {"legacy": False, "add_prefix_space": False}):
+        cfg = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg | extra))
+        ours, theirs = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+        for text in texts:
+            ids = theirs.encode(text)
+            assert ours.encode(text) == ids, (extra, text)
+            assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), (extra, text)
+            assert ours.decode(ids[1:], False) == theirs.decode(ids[1:]), (extra, text)
+
+
 def test_max_tokens_none_generates_up_to_the_context():
     """As vLLM: SamplingParams(max_tokens=None) takes all the room the prompt leaves."""
     llm = LLM("tiny", context_length=12)

@@ -856,6 +856,30 @@ def test_a_request_takes_the_generation_config_defaults_for_what_it_leaves_out()
         assert (p.temperature, p.top_p, p.top_k, p.min_p) == (1.0, 0.95, 20, 0.1)
         p = sampling_params(cls.model_validate(extra), 16)
         assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, -1)
+    # through the app: both endpoints hand the scheduler the state's defaults
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from minengine.models.tiny import tiny_tokenizer
+    from minengine.server.api import ServerState, build_app
+    from minengine.server.metrics import Metrics
+    from minengine.server.protocol import Ready, TokenUpdate
+
+    submitted = []
+
+    def submit(rid, prompt_ids, params, bootstrap):
+        submitted.append(params)
+        queue = asyncio.Queue()
+        queue.put_nowait(TokenUpdate(rid, [65], "length"))
+        return queue
+
+    client = SimpleNamespace(ready=Ready(260, 4096, 65536), dead=None, submit=submit, release=lambda rid: None)
+    http = TestClient(build_app(ServerState(client, tiny_tokenizer(), MODEL, Metrics(), sampling_defaults=defaults)))
+    assert http.post("/v1/completions", json={"prompt": "x", "top_p": 0.5}).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "x"}], "temperature": None}
+    assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    assert [(p.temperature, p.top_p, p.top_k) for p in submitted] == [(0.6, 0.5, 20), (0.6, 0.95, 20)]
 
 
 def test_scheduler_exits_when_front_end_dies(tmp_path):

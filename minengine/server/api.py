@@ -968,7 +968,9 @@ def build_app(state: ServerState) -> FastAPI:
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
             named = _named_function(req)  # (tool_parser checked it)
             forced = forced_tool(req, named)
-            params = sampling_params(req, max_tokens, field_name, logprobs, forced, state.sampling_defaults)
+            params = sampling_params(
+                req, max_tokens, field_name, logprobs, forced=forced, defaults=state.sampling_defaults
+            )
             final = chat_messages([_message(req.messages[-1])])[0]["content"] if req.continue_final_message else None
             opens = state.reasoning_parser is not None and prompt_opens_reasoning(text, final)
             # (a prefill server's too: the first token it samples is the grammar's only after reasoning)
