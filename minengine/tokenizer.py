@@ -43,13 +43,17 @@ def _json_file(file: Path) -> dict[str, Any]:
     return json.loads(file.read_text()) if file.is_file() else {}
 
 
-def _as_llama(cfg: dict[str, Any], model_cfg: dict[str, Any], file: Path) -> bool:
+def _as_llama(cfg: dict[str, Any], path: Path, file: Path) -> bool:
     """Whether transformers 5 loads this tokenizer as its ``LlamaTokenizer``: the class the config
     names, for a Llama model (or a directory without a model config: another model type brings its
     own class), and a file that is not byte-level (Llama 3's, which it loads as it is)."""
-    declared = str(cfg.get("tokenizer_class") or "").removesuffix("Fast")
-    model_type = model_cfg.get("model_type")
-    return declared == "LlamaTokenizer" and model_type in (None, "llama") and '"ByteLevel"' not in file.read_text()
+    if str(cfg.get("tokenizer_class") or "").removesuffix("Fast") != "LlamaTokenizer":
+        return False
+    try:
+        model_type = _json_file(path / "config.json").get("model_type")
+    except ValueError:  # (not the tokenizer's to report: the model's loading names the file)
+        model_type = None
+    return model_type in (None, "llama") and '"ByteLevel"' not in file.read_text()
 
 
 def _llama_pipeline(backend: HFTokenizer, cfg: dict[str, Any]) -> None:
@@ -86,7 +90,7 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         backend = HFTokenizer.from_file(str(file))
         cfg = _json_file(path / "tokenizer_config.json")
-        if _as_llama(cfg, _json_file(path / "config.json"), file):
+        if _as_llama(cfg, path, file):
             _llama_pipeline(backend, cfg)
         older = _json_file(path / "special_tokens_map.json")  # (an older checkpoint's only record of them)
         special = {k: _token_str(cfg.get(k)) or _token_str(older.get(k)) for k in SPECIAL_TOKENS}
