@@ -8,6 +8,7 @@ text and stop-string handling), and this process gathers the outputs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass, replace
 
@@ -302,7 +303,14 @@ class _Workers:
         async def run_all():
             return await asyncio.gather(*(one(i, p) for i, p in zip(ids, params, strict=True)))
 
-        return self.loop.run_until_complete(run_all())
+        everything = self.loop.create_task(run_all())
+        try:
+            return self.loop.run_until_complete(everything)
+        except BaseException:  # (Ctrl-C, an error in one request): the others are aborted in the workers
+            everything.cancel()  # each request's generator, cancelled, aborts it (``frontend.generate``)
+            with contextlib.suppress(BaseException):
+                self.loop.run_until_complete(everything)
+            raise
 
     def shutdown(self) -> None:
         async def close() -> None:

@@ -46,7 +46,8 @@ BLOCK_CHARS = 16  # prefix granularity of the routing table
 MAX_PREFIXES = 1 << 18  # remembered prefix blocks per server (least recently used go first)
 IMBALANCE = 8  # prefer the prefix match unless its server has this many more requests in flight
 PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefill half's answer
-DOWN_SECONDS = 5.0  # a server that refused a connection gets no new requests for this long (unless all did)
+# a server that refused a connection, or is in the wrong role, gets no new requests for this long (unless all do)
+DOWN_SECONDS = 5.0
 ROLE_CHECK_SECONDS = 2.0  # for a server's /server_info, asked before its first request
 CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as long as generation does)
 MAX_ATTEMPTS = 3  # pairs a request may be sent to when servers refuse connections
@@ -61,7 +62,7 @@ class Backend:
     bootstrap_port: int | None = None  # prefill servers only
     in_flight: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)
-    down_until: float = 0.0  # monotonic time: it refused a connection, so it is passed over until then
+    down_until: float = 0.0  # monotonic time: it refused a connection (or its role), so it is passed over until then
     role_checked: bool = False  # its /server_info matched its role here (until it next refuses a connection)
 
     def unreachable(self, exc: BaseException | None) -> None:
@@ -172,9 +173,7 @@ class Router:
             try:
                 return await self._send(path, raw, body, key, retry=attempt < MAX_ATTEMPTS)
             except _Refused as refused:
-                logger.warning(
-                    "%s refused a connection (attempt %d): sending the request to another pair", refused, attempt
-                )
+                logger.warning("%s refused the request (attempt %d): sending it to another pair", refused, attempt)
                 self.retries.labels(server=str(refused)).inc()
         raise AssertionError("unreachable: the last attempt answers")
 
@@ -222,7 +221,11 @@ class Router:
         roles = await asyncio.gather(self.wrong_role(p, "prefill"), self.wrong_role(d, "decode"))
         if (why := roles[0] or roles[1]) is not None:
             logger.error("%s", why)
-            self.failures.labels(server=p.url if roles[0] else d.url).inc()
+            server, picker = (p, self.prefill) if roles[0] else (d, self.decode)
+            server.down_until = time.monotonic() + DOWN_SECONDS  # passed over, and asked again after
+            if retry and picker.any_up():  # (nothing was sent: the request goes to another pair)
+                raise _Refused(server.url)
+            self.failures.labels(server=server.url).inc()
             return error_response(502, why)
         self.requests.labels(prefill=p.url, decode=d.url).inc()
         boot = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port, "bootstrap_room": secrets.randbits(63)}

@@ -212,10 +212,7 @@ def _parse(name: str, kind: str, source: str, any_whitespace: bool) -> None:
 # vLLM refuses some of them the same way with its xgrammar backend.
 _IGNORED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies")
 _IGNORED += ("contains", "minContains", "maxContains")
-# keywords that say nothing about the value (allowed beside $ref and allOf, which xgrammar reads
-# alone) and keywords that hold schemas (walked into, below)
-_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
-_ANNOTATIONS |= {"$schema", "$id", "$anchor", "contentEncoding", "contentMediaType", "$defs", "definitions"}
+# keywords that hold schemas (walked into, below)
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SCHEMA_VALUES = ("additionalProperties", "unevaluatedProperties", "items", "unevaluatedItems")
@@ -225,6 +222,12 @@ _TYPED = {"minLength", "maxLength", "pattern", "format", "minimum", "maximum", "
 _TYPED |= {"exclusiveMaximum", "multipleOf", "minItems", "maxItems", "required", "minProperties", "maxProperties"}
 _TYPED |= {"patternProperties", "propertyNames"}
 _INFERS_TYPE = {"type", "properties", "additionalProperties", "items", "prefixItems"}
+# keywords that constrain the value (the others, annotations and unknown ones, constrain nothing);
+# xgrammar reads $ref, allOf, anyOf and oneOf alone, dropping these beside them (a ``type`` beside
+# anyOf or oneOf too: kept there, where it only restates the branches' type, as in tool schemas)
+_VALIDATION = {*_TYPED, *_INFERS_TYPE, *_IGNORED, *_SCHEMA_LISTS, "enum", "const", "$ref", "uniqueItems"}
+_VALIDATION |= {"unevaluatedProperties", "unevaluatedItems"}
+_READ_ALONE = {"$ref": set(), "allOf": set(), "anyOf": {"type"}, "oneOf": {"type"}}
 
 
 def unenforced(schema: Any, where: str = "") -> tuple[str, str] | None:
@@ -241,8 +244,8 @@ def unenforced(schema: Any, where: str = "") -> tuple[str, str] | None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return f"$ref {ref!r:.80} (only references into the schema itself are read)", where
-    for alone in ("$ref", "allOf"):
-        if alone in keys and (beside := sorted(keys - _ANNOTATIONS - {alone})):
+    for alone, kept in _READ_ALONE.items():
+        if alone in keys and (beside := sorted(keys & _VALIDATION - kept - {alone})):
             return f"{alone} beside {beside[0]} (read alone)", where
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         return "allOf with more than one schema", where
@@ -251,6 +254,13 @@ def unenforced(schema: Any, where: str = "") -> tuple[str, str] | None:
         return f"{typed[0]} beside {'enum' if 'enum' in keys else 'const'}", where
     if typed and not keys & _INFERS_TYPE:
         return f"{typed[0]} without a type", where
+    if "multipleOf" in keys and schema.get("type") != "integer":
+        return "multipleOf on a type other than integer", where
+    required, properties = schema.get("required"), schema.get("properties")
+    if isinstance(required, list):
+        named = properties if isinstance(properties, dict) else {}
+        if (missing := next((r for r in required if r not in named), None)) is not None:
+            return f"required {missing!r:.40} without a schema in properties", where
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
@@ -264,6 +274,9 @@ def unenforced(schema: Any, where: str = "") -> tuple[str, str] | None:
     for key in _SCHEMA_VALUES:
         if (found := unenforced(schema.get(key), f"{where}/{key}")) is not None:
             return found
+    names = schema.get("propertyNames")  # (a schema of strings: its type goes without saying)
+    if isinstance(names, dict):
+        return unenforced({"type": "string"} | names, f"{where}/propertyNames")
     return None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import replace
 
 import pytest
@@ -780,6 +781,44 @@ def test_tokenizer_files_are_read_as_transformers_reads_them(qwen3_dir, tmp_path
     assert ours.apply_chat_template(messages, add_generation_prompt=False) == want
     assert "NEW" in want and moved["eos_token"] in want
     assert ours.eos_token_id == theirs.eos_token_id is not None
+
+
+def test_an_interrupted_generate_with_data_parallel_workers_aborts_its_requests(monkeypatch):
+    """Ctrl-C in a generate over dp_size 2 workers: the requests still running are aborted in the
+    workers and nothing is left on the LLM's loop, so the next call runs at once and only itself."""
+    import asyncio
+
+    import minengine.llm as offline
+
+    class Bar:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):  # the first request to end: Ctrl-C
+            raise KeyboardInterrupt
+
+    llm = LLM("tiny", dp_size=2)
+    try:
+        monkeypatch.setattr(offline, "tqdm", Bar)
+        one = SamplingParams(temperature=0, max_tokens=1)
+        long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+        running = set(asyncio.all_tasks(llm._workers.loop))  # (the client's dispatcher)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["x", "y y", "z z z", "w"], [one, long, long, long], use_tqdm=False)
+        assert not [t for t in asyncio.all_tasks(llm._workers.loop) if not t.done() and t not in running]
+        monkeypatch.undo()
+        start = time.monotonic()
+        out = llm.generate(["hi"], one, use_tqdm=False)[0]
+        assert len(out.token_ids) == 1 and time.monotonic() - start < 10
+        assert not llm._workers.workers.client.queues  # (each request released, the interrupted ones aborted)
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])

@@ -405,6 +405,43 @@ def test_server_roles_are_asked_once_and_again_after_a_refusal():
     asyncio.run(main())
 
 
+def test_a_server_in_the_wrong_role_is_passed_over_for_a_right_one():
+    """With another server of its kind up, a request the router would pair with a misconfigured
+    server goes to another pair (nothing was sent), and the misconfigured one is passed over, also
+    by requests whose prefix it has seen; /health still names it."""
+    import asyncio
+
+    from minengine.router import Backend, Router, build_app
+
+    posts = []
+
+    async def handler(request):
+        host = request.url.host
+        if request.url.path == "/server_info":
+            mode = {"p1": "decode", "p2": "prefill", "d": "decode"}[host]
+            port = {"p1": None, "p2": 2, "d": None}[host]
+            return httpx.Response(200, json={"disaggregation_mode": mode, "disaggregation_bootstrap_port": port})
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        posts.append(host)
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]})
+
+    async def main():
+        shared = "You are a helpful assistant. " * 4
+        for i in range(10):
+            r = await http.post("/v1/completions", json={"prompt": shared + str(i)}, timeout=10)
+            assert r.status_code == 200, r.text
+        r = await http.get("/health")
+        assert r.status_code == 503 and "http://p1 is a decode server" in r.json()["error"]["message"]
+
+    router = Router([Backend("http://p1", 1), Backend("http://p2", 2)], [Backend("http://d")])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
+    asyncio.run(main())
+    assert "p1" not in posts and posts.count("p2") == 10
+    assert _retries(router) == {"http://p1": 1.0}
+
+
 def _one_pair_router(handler):
     """A router over fake servers (``handler`` answers both), a prefill at p and a decode at d,
     and a client of its app."""

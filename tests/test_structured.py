@@ -150,9 +150,14 @@ OBJ_AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type
         ({"$ref": "https://example.com/s.json"}, "uses $ref 'https://example.com/s.json' (only references into"),
         ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "minimum": 5}, "uses $ref beside minimum"),
         ({"minLength": 3}, "uses minLength without a type at /,"),
-        (OBJ_AB | {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "uses required without a type at /anyOf/0,"),
+        (OBJ_AB | {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}, "uses anyOf beside properties (read alone)"),
+        ({"anyOf": [{"required": ["a"]}, {"type": "null"}]}, "uses required without a type at /anyOf/0,"),
         ({"type": "string", "enum": ["abc"], "maxLength": 1}, "uses maxLength beside enum"),
         ({"$defs": {"a/b": {"maxItems": 1}}, "type": "integer"}, "uses maxItems without a type at /$defs/a~1b,"),
+        ({"type": "string", "maxLength": 2, "anyOf": [{"type": "string"}]}, "uses anyOf beside maxLength (read alone)"),
+        (OBJ_AB | {"required": ["c"]}, "uses required 'c' without a schema in properties"),
+        ({"type": "number", "multipleOf": 0.01}, "uses multipleOf on a type other than integer"),
+        ({"type": "object", "propertyNames": {"not": {"const": "a"}}}, "uses not at /propertyNames,"),
     ],
 )
 def test_a_schema_keyword_the_grammar_would_not_enforce_is_refused(schema, message):
@@ -176,6 +181,16 @@ def test_a_schema_keyword_the_grammar_would_not_enforce_is_refused(schema, messa
         ({"type": "object", "propertyNames": {"pattern": "^a"}}, {"b": 1}),
         ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, True),
         ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, ["s"]),
+        ({"$defs": {"i": {"type": "integer"}}, "$ref": "#/$defs/i", "x-order": 1}, "s"),  # (unknown: no constraint)
+        ({"type": "integer", "multipleOf": 3}, 4),
+        (
+            {
+                "oneOf": [OBJ_AB | {"properties": {"a": {"const": 1}}, "required": ["a"]}, {"type": "string"}],
+                "discriminator": {"propertyName": "a"},
+            },
+            {"a": 2},
+        ),
+        (OBJ_AB | {"required": ["a"]}, {"b": 1}),
     ],
 )
 def test_a_schema_that_is_allowed_is_enforced(schema, breaks):
