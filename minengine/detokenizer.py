@@ -145,12 +145,20 @@ class IncrementalDetokenizer:
 
 
 def stop_reason(
-    finish_reason: str | None, detok: IncrementalDetokenizer | None, last_token: int | None, stop_token_ids
+    finish_reason: str | None,
+    detok: IncrementalDetokenizer | None,
+    last_token: int | None,
+    params: SamplingParams,
+    eos_token_id: int | None,
 ) -> str | int | None:
     """What vLLM reports as ``stop_reason``: for finish_reason "stop", the stop string or stop
-    token id that ended the output; None for an end-of-sequence token and any other ending."""
+    token id that ended the output; None for an end-of-sequence token and any other ending. The
+    tokenizer's EOS (``eos_token_id``) is None also when ``stop_token_ids`` lists it: vLLM checks
+    it first, unless ``ignore_eos``."""
     if finish_reason != "stop":
         return None
     if detok is not None and detok.stopped:
         return detok.stop_string
-    return last_token if last_token in (stop_token_ids or ()) else None
+    if last_token == eos_token_id and not params.ignore_eos:
+        return None
+    return last_token if last_token in (params.stop_token_ids or ()) else None

@@ -229,7 +229,7 @@ class LLM:
         results = []
         for r in reqs:
             last = r.output_ids[-1] if r.output_ids else None
-            why = stop_reason(r.finish_reason, r.detok, last, r.params.stop_token_ids)
+            why = stop_reason(r.finish_reason, r.detok, last, r.params, self.tokenizer.eos_token_id)
             logprobs = output_logprobs(r.output_ids, r.output_logprobs, self.tokenizer)
             results.append((r.text, r.output_ids, r.finish_reason, why, *logprobs, r.cached_tokens, r.prompt_logprobs))
         return results

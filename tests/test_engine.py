@@ -245,6 +245,17 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert kept.token_ids == out.token_ids and kept.finish_reason == "stop"
 
 
+def test_the_eos_listed_as_a_stop_token_is_no_stop_reason(llm):
+    """As vLLM: the tokenizer's EOS ends the output before stop_token_ids are looked at, so its
+    stop_reason is None even when they list it; with ignore_eos only the list stops it."""
+    eos = llm.tokenizer.eos_token_id
+    kw = dict(max_tokens=4, allowed_token_ids=[eos], stop_token_ids=[eos])
+    out = gen(llm, "stop test", **kw)
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
+    out = gen(llm, "stop test", **kw, ignore_eos=True)
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", eos)
+
+
 def test_include_stop_str_in_output_keeps_a_stop_token_text(llm):
     """As vLLM: with include_stop_str_in_output a stop token id's text stays in the output text
     (decoded at the end without stop strings, token by token with them)."""

@@ -549,6 +549,11 @@ def test_a_stop_token_is_not_in_the_text(client):
     assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
     kwargs["extra_body"] |= {"stop": ["\x00never"]}  # text made token by token
     assert client.completions.create(**kwargs).choices[0].text == out.choices[0].text
+    # the EOS listed among them: it ends the output as the EOS (no stop_reason), as in vLLM
+    eos = llm.tokenizer.eos_token_id
+    body = {"stop_token_ids": [eos], "allowed_token_ids": [eos]}
+    (choice,) = client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body).choices
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", None)
 
 
 def test_chat_without_max_tokens_fits_a_kv_pool_smaller_than_the_context():

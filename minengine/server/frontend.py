@@ -294,7 +294,7 @@ async def generate(
             text += detok.finish()
             if detok.stopped and reason != "abort":  # a stop string that ended in an unfinished character
                 reason = "stop"
-            why = stop_reason(reason, detok, last_id, params.stop_token_ids)
+            why = stop_reason(reason, detok, last_id, params, tokenizer.eos_token_id)
             if reason == "abort":
                 metrics.aborted.inc()
             else:
