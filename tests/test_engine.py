@@ -164,6 +164,23 @@ def test_config_validation(kwargs, message):
         EngineConfig.from_kwargs(**kwargs)
 
 
+def test_the_readme_lists_every_config_field_with_its_default():
+    """The README's engine config table is the flags' reference: a row per field, with the
+    field's default (a field added without its row failed no test before)."""
+    import dataclasses
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("### Engine config", 1)[1].split("\n\n", 2)[1]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    assert sorted(rows) == sorted(fields)
+    for name, default in fields.items():
+        shown = rows[name].strip().strip("`")
+        assert shown == str(default) or (name == "tokenizer" and default is None), (name, shown, default)
+
+
 def test_seeded_sampling_is_reproducible_across_batches(llm):
     seeded = SamplingParams(temperature=1.0, max_tokens=12, seed=1234, ignore_eos=True)
     alone = llm.generate(["seeded prompt"], seeded, use_tqdm=False)[0].token_ids
