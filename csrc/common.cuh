@@ -138,7 +138,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Raises a kernel's dynamic shared-memory limit past the default 48 KB, once per (kernel, device).
+// Raises a kernel's dynamic shared-memory limit past the default 48 KB, once per (kernel, device)
+// (each kernel's size is a constant); a refusal is an error naming the size, and asked again next time.
 inline void set_max_dynamic_smem(const void* kernel, int bytes) {
   if (bytes <= 48 * 1024) return;
   static std::mutex mutex;
@@ -146,9 +147,14 @@ inline void set_max_dynamic_smem(const void* kernel, int bytes) {
   int device = 0;
   cudaGetDevice(&device);
   std::lock_guard<std::mutex> lock(mutex);
-  if (done.insert({kernel, device}).second) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (done.count({kernel, device})) return;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err != cudaSuccess) {
+    throw std::runtime_error("paged_attention needs " + std::to_string(bytes) +
+                             " bytes of shared memory per block, which this device refused: " +
+                             cudaGetErrorString(err));
   }
+  done.insert({kernel, device});
 }
 
 // 16-byte global -> shared copy that bypasses L1; src_bytes < 16 zero-fills the rest (0: no read).

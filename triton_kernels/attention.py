@@ -12,7 +12,9 @@ Contract::
     seq_lens      int32 [num_seqs]     KV length of each sequence, this step's tokens included
                                        (they are already in the cache)
     cu_seqlens_q  int32 [num_seqs + 1] query offsets; q_len_b = cu[b + 1] - cu[b] >= 0
-    max_seqlen_q  host int >= max q_len (used only to pick tile shapes: no host sync)
+    max_seqlen_q  host int >= max q_len (picks tile shapes: no host sync). A bound, not a hint:
+                  the CUDA kernel launches its prefill tiles only when it exceeds one row group,
+                  so a smaller value leaves rows unwritten there (MINENGINE_KERNEL_DEBUG=1 checks)
     softmax_scale defaults to D ** -0.5
     out           optional, like q; written and returned
     num_splits    optional override of the split-KV factor (None: chosen from the batch shape)
