@@ -263,7 +263,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         return 2
     try:
         defaults = sampling_defaults(config.model, config.generation_config)
-    except ValueError as exc:  # a value in the model's generation_config.json
+    except (OSError, ValueError) as exc:  # no model directory; a value in its generation_config.json
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     metrics = Metrics()

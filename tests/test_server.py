@@ -1034,6 +1034,19 @@ def test_a_malformed_config_json_is_named_in_one_line(tmp_path):
     assert ipc_dirs(tmp_path) == []
 
 
+def test_a_missing_model_directory_beside_a_tokenizer_is_named_in_one_line(tmp_path):
+    """--tokenizer loads, --model does not exist: one line naming it (the generation config is
+    read before the workers start), no traceback."""
+    from checkpoints import build_checkpoint
+
+    tok = build_checkpoint(tmp_path / "t", "qwen3")
+    cmd = [sys.executable, "-m", "minengine.serve", "--tokenizer", str(tok), "--model", str(tmp_path / "none")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert f"error: model directory '{tmp_path / 'none'}' does not exist" in lines[0]
+
+
 @pytest.mark.parametrize("how", ["no grace", "hurried"])
 def test_stopping_workers_that_read_no_shutdown(tmp_path, monkeypatch, how):
     """Workers still loading the model read no Shutdown: ``stop`` with no grace, or hurried by a
