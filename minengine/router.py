@@ -218,7 +218,9 @@ class Router:
         """One attempt on a new pair; raises ``_Refused`` (the other half cancelled) when ``retry``
         and a server refused the connection while another of its kind is up."""
         p, d = self.prefill.pick(key), self.decode.pick(key)
-        roles = await asyncio.gather(self.wrong_role(p, "prefill"), self.wrong_role(d, "decode"))
+        roles = (None, None)
+        if not (p.role_checked and d.role_checked):  # (once per server: later requests pass straight on)
+            roles = await asyncio.gather(self.wrong_role(p, "prefill"), self.wrong_role(d, "decode"))
         if (why := roles[0] or roles[1]) is not None:
             logger.error("%s", why)
             server, picker = (p, self.prefill) if roles[0] else (d, self.decode)

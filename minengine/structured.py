@@ -225,8 +225,8 @@ _INFERS_TYPE = {"type", "properties", "additionalProperties", "items", "prefixIt
 # keywords that constrain the value (the others, annotations and unknown ones, constrain nothing);
 # xgrammar reads $ref, allOf, anyOf and oneOf alone, dropping these beside them (a ``type`` beside
 # anyOf or oneOf too: kept there, where it only restates the branches' type, as in tool schemas)
-_VALIDATION = {*_TYPED, *_INFERS_TYPE, *_IGNORED, *_SCHEMA_LISTS, "enum", "const", "$ref", "uniqueItems"}
-_VALIDATION |= {"unevaluatedProperties", "unevaluatedItems"}
+_VALIDATION = {*_TYPED, *_INFERS_TYPE, *_IGNORED, *_SCHEMA_LISTS, *_SCHEMA_VALUES, "enum", "const", "$ref"}
+_VALIDATION.add("uniqueItems")
 _READ_ALONE = {"$ref": set(), "allOf": set(), "anyOf": {"type"}, "oneOf": {"type"}}
 
 

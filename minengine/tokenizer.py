@@ -43,7 +43,7 @@ def _json_file(file: Path) -> dict[str, Any]:
     return json.loads(file.read_text()) if file.is_file() else {}
 
 
-def _as_llama(cfg: dict[str, Any], path: Path, file: Path) -> bool:
+def _as_llama(cfg: dict[str, Any], path: Path, text: str) -> bool:
     """Whether transformers 5 loads this tokenizer as its ``LlamaTokenizer``: the class the config
     names, for a Llama model (or a directory without a model config: another model type brings its
     own class), and a file that is not byte-level (Llama 3's, which it loads as it is)."""
@@ -53,7 +53,7 @@ def _as_llama(cfg: dict[str, Any], path: Path, file: Path) -> bool:
         model_type = _json_file(path / "config.json").get("model_type")
     except ValueError:  # (not the tokenizer's to report: the model's loading names the file)
         model_type = None
-    return model_type in (None, "llama") and '"ByteLevel"' not in file.read_text()
+    return model_type in (None, "llama") and '"ByteLevel"' not in text  # (tokenizer.json's text)
 
 
 def _llama_pipeline(backend: HFTokenizer, cfg: dict[str, Any]) -> None:
@@ -88,9 +88,10 @@ class Tokenizer:
         file = path / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
-        backend = HFTokenizer.from_file(str(file))
+        text = file.read_text(encoding="utf-8")
+        backend = HFTokenizer.from_str(text)
         cfg = _json_file(path / "tokenizer_config.json")
-        if _as_llama(cfg, path, file):
+        if _as_llama(cfg, path, text):
             _llama_pipeline(backend, cfg)
         older = _json_file(path / "special_tokens_map.json")  # (an older checkpoint's only record of them)
         special = {k: _token_str(cfg.get(k)) or _token_str(older.get(k)) for k in SPECIAL_TOKENS}

@@ -30,6 +30,11 @@ class AttentionDims(NamedTuple):
     max_pages_per_seq: int
 
 
+def head_dim_supported(d: int) -> bool:
+    """Whether every attention backend takes head dim ``d`` (the models check it at load too)."""
+    return MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % 16 == 0
+
+
 def _expect(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -71,7 +76,7 @@ def check_paged_attention(
     num_pages, page_size, hkv, dk = k_cache.shape
     _expect(dk == d, f"cache head dim {dk} != q head dim {d}")
     _expect(
-        MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % 16 == 0,
+        head_dim_supported(d),
         f"head dim {d} is not supported; allowed: multiples of 16 from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}",
     )
     _expect(hkv >= 1 and hq >= hkv and hq % hkv == 0, f"Hq={hq} must be a positive multiple of Hkv={hkv}")

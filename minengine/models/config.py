@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from triton_kernels.contract import MAX_HEAD_DIM, MIN_HEAD_DIM
+from triton_kernels.contract import MAX_HEAD_DIM, MIN_HEAD_DIM, head_dim_supported
 
 # architecture name -> (q/k/v projections have a bias, per-head q/k RMSNorm)
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -83,7 +83,7 @@ class ModelConfig:
         attention_bias = arch in _ATTENTION_BIAS and bool(cfg.get("attention_bias", False))
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0):  # (every attention backend's)
+        if not head_dim_supported(head_dim):
             raise ValueError(
                 f"head dim {head_dim} in {where} is not supported; allowed: multiples of 16 from {MIN_HEAD_DIM} "
                 f"to {MAX_HEAD_DIM} (head_dim, else hidden_size / num_attention_heads)"
