@@ -43,6 +43,16 @@ TARGETS = {"a": ("kv_bw_frac", 0.85), "b": ("kv_bw_frac", 0.80), "c": ("tflops_f
 # decode >= 90% of copy bandwidth, prefill chunk >= 70% of matmul peak, mixed batch >= 1.2x FlashInfer.
 BEST_TARGETS = {"a": ("kv_bw_frac", 0.90), "c": ("tflops_frac", 0.70), "d": ("flashinfer_over_ours", 1.2)}
 OURS = {"triton": "ms", "cuda": "cuda_ms", "cuda-wgmma": "cuda_wgmma_ms"}
+OURS_ERR = {"triton": "rel_err_vs_fp64", "cuda": "cuda_rel_err_vs_fp64", "cuda-wgmma": "cuda_wgmma_rel_err_vs_fp64"}
+# an output further than this from float64 is wrong, whatever its time (fp16/bf16 rounding alone is
+# about 2.3e-3): such a backend meets no target
+MAX_REL_ERR_VS_FP64 = 2e-2
+
+
+def wrong_output(row: dict, backend: str) -> bool:
+    """Whether this backend's output on the case was off (or NaN: not ``<=``) against float64."""
+    err = row.get(OURS_ERR[backend])
+    return err is not None and not err <= MAX_REL_ERR_VS_FP64
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,8 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
         row["ms"] = bench(ours)
         ref = reference.paged_attention(*batch.to_float64())
         row["rel_err_vs_fp64"] = relative_error(ours(), ref)
+        # the float64 answer rounded to bf16: no kernel that outputs bf16 gets below this error
+        row["rel_err_floor"] = relative_error(ref.to(torch.bfloat16), ref)
         if not args.no_torch:
             row["torch_ms"] = bench(lambda: reference.paged_attention(*batch.args(), out=out))
         for which, make_baseline in flashinfer_baselines(args, torch.bfloat16, *shape.values(), case.q_lens).items():
@@ -219,7 +231,9 @@ def triton_variants(batch, group: int) -> tuple:
     return picked, variants
 
 
-GRID_SHAPES = {"llama3-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "d64": (32, 8, 64), "d256": (16, 4, 256)}
+# in the grid's order: qwen3-0.6b last, since its keys in the tuning table (kind, dtype, head dim) are
+# llama3-8b's, so a grid cut short by its time budget still leaves every key measured
+GRID_SHAPES = {"llama3-8b": (32, 8, 128), "d64": (32, 8, 64), "d256": (16, 4, 256), "qwen3-0.6b": (16, 8, 128)}
 GRID_KINDS = {  # name: (q_lens, seq_lens)
     "decode": ((1,) * 128, (2048,) * 128),
     "prefill": ((2048,), (2048,)),
@@ -582,11 +596,13 @@ def plot_grid(rows: list[dict], path: Path) -> None:
     backends = sorted({r["backend"] for r in rows})
     fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.5))
     for ax, kind in zip(axes, kinds, strict=True):
-        sel = [r for r in rows if r["kind"] == kind and r["shape"] == "llama3-8b" and r["page"] == 16]
+        sel = [r for r in rows if r["kind"] == kind and r["shape"] == "llama3-8b" and r["page"] == 16
+               and r["dtype"] == "bfloat16"]  # fmt: skip
         metric = "kv_bw_frac" if "decode" in kind else "tflops_frac"
         vals = [max((r[metric] for r in sel if r["backend"] == b), default=0) for b in backends]
         ax.bar(backends, vals)
-        ax.set(title=f"{kind} (32/8/128, page 16)", ylabel="fraction of " + ("copy BW" if "decode" in kind else "peak"))
+        ylabel = "fraction of " + ("copy BW" if "decode" in kind else "peak")
+        ax.set(title=f"{kind} (32/8/128, bf16, page 16)", ylabel=ylabel)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -611,11 +627,17 @@ def markdown(report: dict) -> str:
             f"- ceilings: copy {ceil['copy_gbps']:.0f} GB/s (read + write), "
             f"bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s"
         )
+    if floors := [r["rel_err_floor"] for r in report["rows"] if "rel_err_floor" in r]:
+        lines.append(
+            f"- err vs fp64 is ||out - ref|| / ||ref||; the float64 answer rounded to bf16 alone has "
+            f"{min(floors):.1e}-{max(floors):.1e} (a floor: errors near it are rounding, not the kernel)"
+        )
     lines += [
         "",
         "| case | shape | triton ms | KV GB/s | of copy BW | TFLOP/s | of matmul peak "
-        "| torch/triton | FlashInfer/triton | FlashInfer POD/triton | err vs fp64 | cuda ms | cuda wgmma ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| torch/triton | FlashInfer/triton | FlashInfer POD/triton | err vs fp64 | cuda ms | cuda err "
+        "| cuda wgmma ms | wgmma err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(row: dict, key: str, spec: str) -> str:
@@ -627,7 +649,8 @@ def markdown(report: dict) -> str:
             f"{r['tflops']:.1f} | {r['tflops_frac']:.0%} | {fmt(r, 'speedup_vs_torch', '.1f')} | "
             f"{fmt(r, 'speedup_vs_flashinfer', '.2f')} | {fmt(r, 'speedup_vs_flashinfer_pod', '.2f')} | "
             f"{fmt(r, 'rel_err_vs_fp64', '.1e')} | "
-            f"{fmt(r, 'cuda_ms', '.4f')} | {fmt(r, 'cuda_wgmma_ms', '.4f')} |"
+            f"{fmt(r, 'cuda_ms', '.4f')} | {fmt(r, 'cuda_rel_err_vs_fp64', '.1e')} | "
+            f"{fmt(r, 'cuda_wgmma_ms', '.4f')} | {fmt(r, 'cuda_wgmma_rel_err_vs_fp64', '.1e')} |"
         )
     if any("variants" in r for r in report["rows"]):
         lines += [
@@ -684,32 +707,38 @@ def check_targets(rows: list[dict]) -> list[str]:
     verdicts = []
     for name, (key, goal) in TARGETS.items():
         got = by_case[name][key]
-        verdicts.append(f"({name}) {key} {got:.0%} vs target {goal:.0%}: {'met' if got >= goal else 'MISSED'}")
+        verdict = "met" if got >= goal else "MISSED"
+        verdict = "MISSED (wrong output)" if wrong_output(by_case[name], "triton") else verdict
+        verdicts.append(f"({name}) {key} {got:.0%} vs target {goal:.0%}: {verdict}")
     d, e = by_case["d"]["ms"], by_case["e"]["ms"]
-    verdicts.append(f"(d) one launch {d:.4f} ms vs (e) two launches {e:.4f} ms: {'met' if d < e else 'MISSED'}")
+    verdict = "MISSED (wrong output)" if wrong_output(by_case["d"], "triton") else ("met" if d < e else "MISSED")
+    verdicts.append(f"(d) one launch {d:.4f} ms vs (e) two launches {e:.4f} ms: {verdict}")
     for name, (key, goal) in BEST_TARGETS.items():
         row = by_case[name]
-        values = {}  # key for each of our backends timed on the case
+        values = {}  # key for each of our backends timed on the case, with a right output
+        wrong = [b for b in OURS if OURS[b] in row and wrong_output(row, b)]
         # FlashInfer's faster wrapper on the case (paged prefill / decode, or POD)
         timed = [(row[k], k.removesuffix("_ms")) for k in ("flashinfer_ms", "flashinfer_pod_ms") if k in row]
         theirs = min(timed) if timed else None
         for backend, ms_key in OURS.items():
-            if ms_key not in row:
+            if ms_key not in row or backend in wrong:
                 continue
             if key == "flashinfer_over_ours":
                 if theirs is not None:
                     values[backend] = theirs[0] / row[ms_key]
             else:  # fractions scale with 1 / time
                 values[backend] = row[key] * row["ms"] / row[ms_key]
+        excluded = f"; left out, wrong output: {', '.join(wrong)}" if wrong else ""
         if not values:
-            verdicts.append(f"({name}) best of ours, {key}: not measured (FlashInfer not importable)")
+            why = "every backend's output was wrong" if wrong else "FlashInfer not importable"
+            verdicts.append(f"({name}) best of ours, {key}: not measured ({why}){excluded}")
             continue
         best = max(values, key=values.get)
         got = f"{values[best]:.2f}x" if key == "flashinfer_over_ours" else f"{values[best]:.0%}"
         want = f"{goal:.1f}x" if key == "flashinfer_over_ours" else f"{goal:.0%}"
         verdict = "met" if values[best] >= goal else "MISSED"
         against = f" (against {theirs[1]})" if key == "flashinfer_over_ours" else ""
-        verdicts.append(f"({name}) best of ours ({best}), {key} {got}{against} vs target {want}: {verdict}")
+        verdicts.append(f"({name}) best of ours ({best}), {key} {got}{against} vs target {want}: {verdict}{excluded}")
     return verdicts
 
 
@@ -814,6 +843,8 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
     if args.smoke:
         selected = [Case(c.name, c.label, c.q_lens[:3], c.seq_lens[:3], c.split_at) for c in selected]
     rows, ceilings, grid, left_out, stopped, failed, jit = [], {}, [], [], None, {}, None
+    # a grid-only run (--cases '') has files of its own, beside the cases' report of another run
+    prefix = "attention" if selected or args.suite != "full" else "attention_grid"
 
     def write() -> dict:
         targets = check_targets(rows) if {r["case"] for r in rows} >= set("abcde") else []
@@ -821,7 +852,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
             argv, "bench_attention", device, args, rows, ceilings=ceilings, targets=targets, grid=grid,
             grid_left_out=left_out, stopped_during=stopped, failed_cases=failed, flashinfer_jit=jit,
         )  # fmt: skip
-        save(args.out, stem("attention", report), report, markdown(report))
+        save(args.out, stem(prefix, report), report, markdown(report))
         return report
 
     builds = flashinfer_builds(args, selected) if device.type == "cuda" and use_flashinfer(args) else []
@@ -867,9 +898,9 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
     if args.write_tuning:
         report["tuning"] = write_tuning(grid, report, device)
         print(f"tuning table: {report['tuning']}", flush=True)
-        save(args.out, stem("attention", report), report, markdown(report))
+        save(args.out, stem(prefix, report), report, markdown(report))
     if grid:
-        plot_grid(grid, args.out / f"{stem('attention', report)}_grid.png")
+        plot_grid(grid, args.out / f"{stem(prefix, report)}_grid.png")
     print(markdown(report))
     return report
 

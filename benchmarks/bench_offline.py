@@ -157,7 +157,8 @@ def run_transformers(path: str, dummy: bool, prompts, out_lens, args) -> dict:
         sync()
         t0 = time.perf_counter()
         for i, (p, n) in enumerate(zip(prompts, out_lens, strict=True)):
-            manager.add_request(p, request_id=str(i), max_new_tokens=n)
+            if manager.add_request(p, request_id=str(i), max_new_tokens=n) is None:  # it logs why, and drops it
+                raise RuntimeError(f"transformers' manager refused request {i} of {len(prompts)}")
         tokens, finished = 0, 0
         while finished < len(prompts):
             result = manager.get_result(timeout=1)
@@ -168,9 +169,10 @@ def run_transformers(path: str, dummy: bool, prompts, out_lens, args) -> dict:
                 raise RuntimeError(f"transformers' manager stopped after {finished} of {len(prompts)} requests")
         sync()
         seconds = time.perf_counter() - t0
+    attn = getattr(model.config, "_attn_implementation", None)  # what its paged cache ran on, for the record
     del model
     torch.cuda.empty_cache()
-    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "attn_implementation": attn}
 
 
 def markdown(report: dict) -> str:

@@ -1,12 +1,15 @@
 """Serving benchmark: a streaming client for any OpenAI-compatible server (minengine, vLLM, SGLang).
 
 Datasets (lengths in tokens when --tokenizer is given, else in words of random text):
-  random                   input/output lengths uniform in [len * range_ratio, len]
+  random                   input/output lengths uniform in [len * range_ratio, len]; with
+                           --random-long-fraction F, that fraction of the requests (chosen at random)
+                           has prompts of exactly --random-long-input-len tokens instead: a long/short mix
   generated-shared-prefix  groups x prompts per group; each prompt = the group's system prompt + a question
   multi-turn               conversations that grow turn by turn (each turn = history + answer + new question)
 
-Requests go to /v1/completions with stream=true, ignore_eos and usage, at --request-rate (Poisson;
-inf by default) and at most --max-concurrency at a time, after --warmup-requests. Reports request
+Requests go to /v1/completions with stream=true, ignore_eos and usage, at --request-rate (inf by
+default; Poisson, or with --burstiness B gamma-distributed gaps of shape B as in vLLM's client: below
+1 burstier) and at most --max-concurrency at a time, after --warmup-requests. Reports request
 throughput, input/output token throughput, and mean / median / p99 of TTFT, TPOT, ITL and E2E
 latency; saves JSON + markdown; --plot adds latency CDFs and throughput over time (PNG). Where
 the server has a Prometheus ``/metrics`` (minengine, vLLM), the report adds what its preemption
@@ -98,9 +101,13 @@ def build_dataset(args, prompts: Prompts, rng: random.Random) -> list[Request]:
         def length(n: int) -> int:
             return rng.randint(max(1, int(n * args.random_range_ratio)), n)
 
+        long = set(rng.sample(range(args.num_prompts), round(args.random_long_fraction * args.num_prompts)))
         return [
-            Request(prompts.make(length(args.random_input_len)), length(args.random_output_len))
-            for _ in range(args.num_prompts)
+            Request(
+                prompts.make(args.random_long_input_len if i in long else length(args.random_input_len)),
+                length(args.random_output_len),
+            )
+            for i in range(args.num_prompts)
         ]
     if args.dataset == "generated-shared-prefix":
         out = []
@@ -142,6 +149,10 @@ async def send(http: httpx.AsyncClient, args, req: Request) -> Result:
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
+                if chunk.get("error"):  # a failure after the 200 (the server streams it, then [DONE])
+                    err = chunk["error"]
+                    res.error = "stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)[:200]
+                    return res
                 if chunk.get("usage"):
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     res.output_tokens = chunk["usage"]["completion_tokens"]
@@ -154,11 +165,14 @@ async def send(http: httpx.AsyncClient, args, req: Request) -> Result:
                 res.chunk_times.append(now)
                 res.text += chunk["choices"][0].get("text") or ""
                 last = now
-        res.e2e = time.perf_counter() - res.start
+        if not res.chunk_times:  # as vLLM's client: a stream without a single choice is a failure
+            res.error = "the stream ended without a choice"
+            return res
+        res.e2e = last - res.start  # at the last choice (vLLM's latency), not at the stream's close
         res.output_tokens = res.output_tokens or len(res.chunk_times)
         res.ok = True
-    except httpx.HTTPError as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 (one bad response is a failed request, not a lost run)
+        res.error = f"{type(exc).__name__}: {exc}"[:300]
     return res
 
 
@@ -186,8 +200,10 @@ async def counters(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
     return out
 
 
-async def run(args, dataset: list[Request], prompts: Prompts, rng: random.Random):
-    """(results, seconds, what the server's counters gained during the measured requests)."""
+async def run(args, dataset: list[Request], prompts: Prompts, arrivals: random.Random):
+    """(results, seconds, what the server's counters gained during the measured requests).
+    ``arrivals`` draws only the gaps between requests (multi-turn follow-ups draw from the prompts'
+    generator in completion order), so a seed gives the same arrival times in every run."""
     limits = httpx.Limits(max_connections=args.max_concurrency or 10_000, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as http:
         for warm in dataset[: args.warmup_requests]:
@@ -213,8 +229,8 @@ async def run(args, dataset: list[Request], prompts: Prompts, rng: random.Random
         t0 = time.perf_counter()
         for req in dataset:
             tasks.append(asyncio.create_task(conversation(req)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
+            if args.request_rate != float("inf"):  # mean gap 1 / rate; shape 1 is exponential (Poisson)
+                await asyncio.sleep(arrivals.gammavariate(args.burstiness, 1 / (args.request_rate * args.burstiness)))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         bar.close()
@@ -307,6 +323,8 @@ def markdown(report: dict) -> str:
     for name in ("ttft", "tpot", "itl", "e2e"):
         m = s[name]
         lines.append(f"| {name.upper()} | {m['mean_ms']:.1f} | {m['median_ms']:.1f} | {m['p99_ms']:.1f} |")
+    if s["failed"]:
+        lines += ["", "- errors (up to 5 kinds): " + "; ".join(f"`{e}`" for e in s["errors"])]
     if report.get("server_counters"):
         gained = ", ".join(f"`{k}` +{v:g}" for k, v in report["server_counters"].items())
         lines += ["", f"- server counters during the run: {gained}"]
@@ -323,6 +341,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-long-fraction", type=float, default=0.0, help="share of prompts that are long")
+    p.add_argument("--random-long-input-len", type=int, default=8192, help="their length")
     p.add_argument("--gsp-num-groups", type=int, default=16)
     p.add_argument("--gsp-prompts-per-group", type=int, default=16)
     p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
@@ -333,6 +353,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--multi-turn-question-len", type=int, default=128)
     p.add_argument("--multi-turn-output-len", type=int, default=128)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, < 1 bursty")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--timeout", type=float, default=3600.0)
@@ -344,6 +365,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.request_rate <= 0:
         p.error(f"--request-rate is {args.request_rate}; allowed: > 0 (or inf)")
+    if not args.burstiness > 0:
+        p.error(f"--burstiness is {args.burstiness}; allowed: > 0 (1: Poisson)")
+    if not 0 <= args.random_long_fraction <= 1:
+        p.error(f"--random-long-fraction is {args.random_long_fraction}; allowed: 0 to 1")
+    if args.random_long_input_len < 1:
+        p.error(f"--random-long-input-len is {args.random_long_input_len}; allowed: >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error(f"--max-concurrency is {args.max_concurrency}; allowed: >= 1")
     args.base_url = args.base_url.rstrip("/")
@@ -357,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
     prompts = Prompts(args.tokenizer, rng)
     dataset = build_dataset(args, prompts, rng)
-    results, duration, gained = asyncio.run(run(args, dataset, prompts, rng))
+    results, duration, gained = asyncio.run(run(args, dataset, prompts, random.Random(args.seed + 1)))
     summary = summarize(results, duration)
     stem = f"serving_{args.dataset}" + (f"_{args.tag}" if args.tag else "")
     report = {

@@ -3,7 +3,8 @@
 # into one archive (the device tool returns at most 8 files):
 #
 #   bash benchmarks/gpu_session.sh tests      # build minengine._C, kernel tests (triton + cuda), pytest -m gpu, memcheck
-#   bash benchmarks/gpu_session.sh kernels    # bench_attention (core + full grid, auto's tuning table), ncu
+#   bash benchmarks/gpu_session.sh kernels    # bench_attention's cases a-e (with --triton-variants), ncu
+#   bash benchmarks/gpu_session.sh grid       # bench_attention's backend x shape grid, auto's tuning table
 #   bash benchmarks/gpu_session.sh engine     # bench_decode (roofline, idle), bench_offline, bench_host_step, bench_sampler, bench_structured, bench_frontend
 #   bash benchmarks/gpu_session.sh serving GROUP...    # run_ablations.sh groups: backends | overlap chunk | delayer
 #   bash benchmarks/gpu_session.sh disagg     # bench_disagg.py (router, decode radix cache off/on)
@@ -17,14 +18,14 @@
 #
 # A session gets about 30 minutes of device time, start-up included: three phases at most. The
 # first (an H100, 2026-11-23) ran tests (311 s), kernels (237 s, cut short by a bug since fixed) and
-# engine (541 s); a fresh machine started in under 30 s. Next: kernels (the grid and tuning table;
-# --triton-variants times stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d;
-# the cuda columns and ncu time stop 43's CUDA tile changes, and their fp64 error column is the
-# first check of them on a GPU), then within the machine's 30 s idle window `serving backends`
-# (FlashInfer's JIT cache is still there), `serving overlap chunk` (about 450 s: a server start
-# is about 45 s, and chunk's 100 long prompts arrive over 50 s), `serving delayer`, the rest of
-# engine, disagg; tests again when a session has the time (the CUDA kernels changed since they
-# passed). A group's run cut off by the budget is lost whole (bench_serving writes at its end).
+# engine (541 s); a fresh machine started in under 30 s. Next: kernels (--triton-variants times
+# stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d; the cuda columns and ncu
+# time stop 43's CUDA tile changes, and their fp64 error columns are the first check of them on a
+# GPU), then within the machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is
+# still there), `serving overlap chunk` (about 450 s: a server start is about 45 s, and chunk's 100
+# long prompts arrive over 50 s), `serving delayer`, grid (the tuning table), the rest of engine,
+# disagg; tests again when a session has the time (the CUDA kernels changed since they passed). A
+# group's run cut off by the budget is lost whole (bench_serving writes at its end).
 # Carry the `base` wheels for tests (FlashInfer's tests then skip: its JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving.
 #
@@ -33,11 +34,11 @@
 # and each device call names .whl in `carry`. Its image has pybind11, ninja, nvidia-ml-py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:?phase: tests | kernels | engine | serving | disagg}
+PHASE=${1:?phase: tests | kernels | grid | engine | serving | disagg}
 shift
 case $PHASE in
-  tests | kernels | engine | serving | disagg) ;;
-  *) echo "unknown phase $PHASE; allowed: tests kernels engine serving disagg"; exit 2 ;;
+  tests | kernels | grid | engine | serving | disagg) ;;
+  *) echo "unknown phase $PHASE; allowed: tests kernels grid engine serving disagg"; exit 2 ;;
 esac
 DEST=${OUT:-benchmarks/results}
 BUDGET=${GPU_PHASE_SECONDS:-520}
@@ -101,18 +102,25 @@ case $PHASE in
     step memcheck bash profiles/memcheck.sh
     ;;
   kernels)
-    # FlashInfer's JIT modules first, compiled together (at most 240 s: baselines not built by then are left out),
-    # and only for the core cases and the targets' grid configs; the grid starts no config in the
-    # phase's last 150 s (ncu's), and SIGTERM ends the one running, so the report and the tuning
-    # table (commit it to minengine/ops/tuning/) hold what it measured
-    step bench_attention python3 benchmarks/bench_attention.py --suite full --write-tuning --triton-variants \
-      --flashinfer-grid target --flashinfer-warmup 240 --time-budget $(($(left) - 150)) --out "$WORK/results"
+    # FlashInfer's JIT modules for the cases first, compiled together (at most 240 s: baselines not
+    # built by then are left out); the cases start nothing in the phase's last 150 s (ncu's), and
+    # SIGTERM ends the one running, so the report holds what it measured
+    step bench_attention timeout -s TERM $(($(left) - 150)) python3 benchmarks/bench_attention.py \
+      --triton-variants --flashinfer-warmup 240 --out "$WORK/results"
+    step ncu bash profiles/ncu_kernels.sh
+    cp profiles/out/ncu_*.txt profiles/out/ncu_summary.md "$WORK/logs/" 2>/dev/null
+    ;;
+  grid)
+    # the 96 configs (4 shapes x pages 16, 64, 1 x bf16, fp16 x 4 kinds) with triton and the cuda
+    # kernels, FlashInfer on the targets' configs only (its JIT compiles, cached on disk, are few):
+    # a call of its own, since in the kernels phase the grid got the 100-150 s its cases and
+    # FlashInfer's warm-up left. Page 16 first, every tuning key before qwen3-0.6b repeats D 128's
+    step bench_grid python3 benchmarks/bench_attention.py --suite full --cases "" --write-tuning \
+      --flashinfer-grid target --flashinfer-warmup 200 --time-budget $(($(left) - 30)) --out "$WORK/results"
     # moved, not copied: left in the tree, it would turn `auto` into its per-shape mix in every later
     # phase on this machine (bench_decode, the ablations' servers), unlike the runs it is compared with
     mv minengine/ops/tuning/*.json "$WORK/results/" 2>/dev/null
     pack
-    step ncu bash profiles/ncu_kernels.sh
-    cp profiles/out/ncu_*.txt profiles/out/ncu_summary.md "$WORK/logs/" 2>/dev/null
     ;;
   engine)
     # the issue's decode targets first (roofline, idle time); offline throughput last, against

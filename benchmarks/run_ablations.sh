@@ -12,8 +12,8 @@
 #     backends-eager  the same three with --disable-cuda-graph: the attention kernels (and
 #               FlashInfer's planning) without graphs (not in the default list)
 #     overlap   overlap scheduling on / off
-#     chunk     chunked-prefill budget 512 / 2048 / 16384 (off-equivalent) on long and short prompts
-#     delayer   prefill delayer off / on, dp-size 1, bursty arrivals
+#     chunk     chunked-prefill budget 512 / 2048 / 16384 (off-equivalent) on a mix of 8k and short prompts
+#     delayer   prefill delayer off / on, dp-size 1, bursty arrivals (gamma gaps, shape 0.2)
 #     admission --kv-admission preempt / reserve with the KV pool cut to 64k tokens, long outputs:
 #               more requests at once and recomputation vs fewer and none (not in the default list)
 #   MODEL=<checkpoint dir> bash benchmarks/run_ablations.sh ...   (default: a Llama-3-8B-shaped dummy)
@@ -70,10 +70,17 @@ run() {  # run TAG "SERVER FLAGS" "BENCH FLAGS"
 
 # Poisson arrivals of 512-2048-token prompts: prefill chunks and decodes share steps (mixed batches)
 MIXED="--dataset random --num-prompts 200 --random-input-len 2048 --random-output-len 256 --random-range-ratio 0.25 --request-rate 8"
-# 164-8192-token prompts: chunk budget vs ITL p99, TTFT, throughput
-LONG_SHORT="--dataset random --num-prompts 100 --random-input-len 8192 --random-range-ratio 0.02 --random-output-len 256 --request-rate 2"
-BURST="--dataset random --num-prompts 256 --random-input-len 1024 --random-output-len 512 --random-range-ratio 0.5"
-STEADY="--dataset random --num-prompts 256 --random-input-len 512 --random-output-len 512 --random-range-ratio 0.5"
+# long and short: 20 of 100 prompts are 8192 tokens, the others 256-512, outputs 128-256 tokens, 2
+# requests/s: while a long prompt is prefilled in chunks, the short ones decode in the same steps
+# (chunk budget vs their ITL p99, TTFT, throughput)
+LONG_SHORT="--dataset random --num-prompts 100 --random-input-len 512 --random-range-ratio 0.5 --random-output-len 256"
+LONG_SHORT="$LONG_SHORT --random-long-fraction 0.2 --random-long-input-len 8192 --request-rate 2"
+# bursts: 384 requests at 12/s on average, gaps gamma-distributed with shape 0.2 (clumps of arrivals
+# with pauses between them), so new prefills keep arriving while a large decode batch runs
+BURST="--dataset random --num-prompts 384 --random-input-len 1024 --random-output-len 512 --random-range-ratio 0.5"
+BURST="$BURST --request-rate 12 --burstiness 0.2"
+# throughput: all 256 requests at once (overlap on / off)
+ALL_AT_ONCE="--dataset random --num-prompts 256 --random-input-len 512 --random-output-len 512 --random-range-ratio 0.5"
 # up to 2k tokens a request in a 64k-token pool: reserve runs 32-64 at a time, preempt more
 KV_BOUND="--dataset random --num-prompts 256 --random-input-len 1024 --random-output-len 1024 --random-range-ratio 0.5"
 
@@ -88,8 +95,8 @@ for group in "${groups[@]}"; do
         run "backend-$backend-eager" "--attention-backend $backend --disable-cuda-graph" "$MIXED"
       done ;;
     overlap)
-      run "overlap-on" "" "$STEADY"
-      run "overlap-off" "--disable-overlap-schedule" "$STEADY" ;;
+      run "overlap-on" "" "$ALL_AT_ONCE"
+      run "overlap-off" "--disable-overlap-schedule" "$ALL_AT_ONCE" ;;
     chunk)
       for budget in 512 2048 16384; do run "chunk$budget" "--chunked-prefill-size $budget" "$LONG_SHORT"; done ;;
     delayer)

@@ -313,6 +313,22 @@ def test_bench_attention_time_budget_leaves_configs_out(tmp_path):
     assert "Left out (12 grid configs; by --time-budget unless" in (tmp_path / "attention_smoke.md").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_grid_alone_has_files_of_its_own(tmp_path):
+    """gpu_session.sh's grid phase (--cases ''): no case is run, and its report does not overwrite the
+    cases' report of the kernels phase. Its full grid measures every tuning key (kind, dtype, head
+    dim) before qwen3-0.6b, whose keys repeat llama3-8b's."""
+    bench = load_bench()
+    report = bench.main(["--smoke", "--suite", "full", "--cases", "", "--time-budget", "0", "--out", str(tmp_path)])
+    assert report["rows"] == [] and len(report["grid_left_out"]) == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attention_grid_smoke.json", "attention_grid_smoke.md"]
+    page16 = [c for c in bench.grid_configs(smoke=False) if c[1] == 16]
+    keys = {(kind, dtype, bench.GRID_SHAPES[shape][2]) for shape, _, dtype, kind in page16}
+    before_qwen = {(kind, dtype, bench.GRID_SHAPES[shape][2]) for shape, _, dtype, kind in page16
+                   if shape != "qwen3-0.6b"}  # fmt: skip
+    assert page16[-1][0] == "qwen3-0.6b" and before_qwen == keys and len(keys) == 3 * 2 * 4
+
+
 def test_bench_disagg_smoke(tmp_path, monkeypatch):
     """Prefill + decode + router processes on CPU, decode radix cache off then on; the report is
     saved after every row (a run stopped by a time limit keeps what it measured)."""
@@ -622,3 +638,98 @@ def test_bench_attention_grid_on_a_gpu_checks_and_times_torch_sdpa(monkeypatch):
     assert {r["backend"] for r in rows} >= {"triton", "torch_sdpa"}
     sdpa = next(r for r in rows if r["backend"] == "torch_sdpa")
     assert sdpa["rel_err_vs_triton"] < 2e-2
+
+
+@pytest.mark.parametrize(
+    "lines, ok, error",
+    [
+        (
+            [
+                '{"choices":[{"text":"a"}]}',
+                '{"choices":[{"text":"b"}]}',
+                '{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}',
+            ],
+            True,
+            None,
+        ),
+        (['{"error":{"message":"boom","code":500}}'], False, "stream error: boom"),
+        (['{"choices":[{"text":"a"}]}', '{"error":{"message":"late","code":500}}'], False, "stream error: late"),
+        (['{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":0}}'], False, "without a choice"),
+        (['{"choices":[{"text":"a"}]}', "{not json"], False, "JSONDecodeError"),
+    ],
+)
+def test_bench_serving_counts_only_streams_that_finish(lines, ok, error):
+    """A failure the server streams after its 200 (an error chunk, then [DONE]), a stream with no
+    choice, and a malformed line are failed requests, as in vLLM's client: not completions with a
+    zero TTFT, and not an exception that loses the whole run."""
+    import asyncio
+
+    import httpx
+
+    bench = load_bench("bench_serving")
+    body = "".join(f"data: {line}\n\n" for line in lines) + "data: [DONE]\n\n"
+
+    async def go():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as http:
+            args = argparse.Namespace(model="m", base_url="http://x")
+            return await bench.send(http, args, bench.Request("hi", 2))
+
+    res = asyncio.run(go())
+    assert res.ok is ok
+    if ok:
+        assert res.output_tokens == 2 and res.ttft > 0 and len(res.itl) == 1 and res.e2e >= res.ttft
+        assert res.e2e == res.chunk_times[-1] - res.start
+    else:
+        assert error in res.error
+        summary = bench.summarize([res], 1.0)
+        assert summary["completed"] == 0 and summary["failed"] == 1
+
+
+@pytest.mark.parametrize("cuda_err", [float("nan"), 0.3])
+def test_bench_attention_targets_leave_out_a_backend_with_a_wrong_output(cuda_err):
+    """A kernel that is fast and wrong (NaN: never written, or far from float64) meets no target,
+    and the table shows every backend's error beside its time."""
+    bench = load_bench()
+    base = dict(ms=1.0, kv_bw_frac=0.5, tflops_frac=0.4, rel_err_vs_fp64=2.3e-3, flashinfer_ms=1.0)
+    rows = [{**base, "case": name, "cuda_ms": 0.1, "cuda_rel_err_vs_fp64": cuda_err} for name in "abcde"]
+    verdicts = bench.check_targets(rows)
+    (c,) = [t for t in verdicts if t.startswith("(c) best of ours")]
+    assert "best of ours (triton)" in c and "40% vs target 70%: MISSED; left out, wrong output: cuda" in c
+    (d,) = [t for t in verdicts if t.startswith("(d) best of ours")]
+    assert "(triton), flashinfer_over_ours 1.00x" in d and "wrong output: cuda" in d
+    rows[2]["rel_err_vs_fp64"] = float("nan")  # triton wrong too: nothing of ours is measured on c
+    verdicts = bench.check_targets(rows)
+    assert "(c) tflops_frac 40% vs target 50%: MISSED (wrong output)" in verdicts
+    assert any(t.startswith("(c) best of ours") and "every backend's output was wrong" in t for t in verdicts)
+    for r in rows:
+        r.update(case=r["case"], label="x", kv_gbps=1.0, tflops=1.0)
+    report = {"command": "x", "date": "x", "info": {"device": "cpu"}, "config": {"smoke": True},
+              "ceilings": {}, "rows": rows, "targets": verdicts}  # fmt: skip
+    table = bench.markdown(report)
+    assert "| cuda ms | cuda err |" in table and f"| 0.1000 | {cuda_err:.1e} |" in table
+
+
+def test_bench_serving_long_short_mix_and_bursty_arrivals(capsys):
+    """--random-long-fraction makes that share of the prompts exactly --random-long-input-len long
+    (the chunk ablation's long/short mix); --burstiness draws gamma gaps with the same mean rate from
+    a generator of their own; bad values are refused naming the allowed range."""
+    import random
+
+    bench = load_bench("bench_serving")
+    argv = ["--num-prompts", "50", "--random-input-len", "20", "--random-range-ratio", "0.5",
+            "--random-output-len", "8", "--random-long-fraction", "0.2", "--random-long-input-len", "300"]  # fmt: skip
+    args = bench.parse_args(argv)
+    rng = random.Random(0)
+    dataset = bench.build_dataset(args, bench.Prompts(None, rng), rng)
+    lengths = [len(r.prompt.split()) for r in dataset]
+    assert lengths.count(300) == 10 and all(10 <= n <= 20 for n in lengths if n != 300)
+    assert all(4 <= r.output_len <= 8 for r in dataset)
+    for bad, allowed in ((["--burstiness", "0"], "allowed: > 0"), (["--random-long-fraction", "1.5"], "0 to 1")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+        assert allowed in capsys.readouterr().err
+    gen = random.Random(1)
+    gaps = [gen.gammavariate(0.25, 1 / (10 * 0.25)) for _ in range(20000)]
+    assert abs(sum(gaps) / len(gaps) - 0.1) < 0.01  # the rate holds; the gaps' spread grows (bursts)
+    assert sorted(gaps)[len(gaps) // 2] < 0.03

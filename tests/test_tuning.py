@@ -73,6 +73,15 @@ def test_pick_from_rows_drops_a_backend_that_was_wrong_once():
     assert picked["mixed/bfloat16/128"]["total_ms"] == {"triton": 2.0, "cuda": 1.8}
 
 
+def test_pick_from_rows_drops_a_backend_whose_output_was_nan():
+    """The grid poisons each backend's output with NaN before checking it: a kernel that writes
+    nothing has a NaN error, which must not pass as "not above MAX_REL_ERR" (and then win)."""
+    rows = [grid_row("prefill", "triton", 1.0), grid_row("prefill", "cuda", 0.01, err=float("nan"))]
+    rows += [grid_row("decode", "triton", 1.0), grid_row("decode", "cuda", 0.5)]
+    picked = tuning.pick_from_rows(rows)
+    assert {k: v["backend"] for k, v in picked.items()} == {"decode/bfloat16/128": "cuda"}
+
+
 def test_tuned_attention_dispatches_per_call_shape():
     calls = []
     kernels = {name: (lambda *a, _n=name, **k: calls.append(_n)) for name in tuning.CHOICES}

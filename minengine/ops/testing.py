@@ -81,7 +81,10 @@ def make_paged_batch(
     shape = (num_pages, page_size, num_kv_heads, head_dim)
 
     def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+        # drawn on the device itself unless a (CPU) generator is given: a benchmark's batch of 128
+        # sequences x 2k tokens is a second or two of CPU time, per batch, on the host
+        where = "cpu" if generator is not None else device
+        return torch.randn(*size, generator=generator, dtype=torch.float32, device=where).to(device=device, dtype=dtype)
 
     if kv_views:
         kv = torch.empty((num_pages, 2, *shape[1:]), dtype=dtype, device=device)

@@ -60,7 +60,7 @@ def pick_from_rows(rows: list[dict]) -> dict[str, dict]:
     rows: bench_attention grid rows (``kind``, ``dtype``, ``head_dim``, ``backend``, ``ms``, the
     identifying ``shape`` and ``page``, and ``rel_err_vs_triton``); grid kind ``long-decode``
     counts as ``decode``. A key's candidates are the backends with a row for it and no row above
-    ``MAX_REL_ERR``; it needs triton and one more.
+    ``MAX_REL_ERR`` (or NaN); it needs triton and one more.
     """
     by_key: dict[str, dict[tuple, dict[str, float]]] = {}
     wrong: set[tuple[str, str]] = set()
@@ -69,7 +69,7 @@ def pick_from_rows(rows: list[dict]) -> dict[str, dict]:
             continue
         kind = "decode" if r["kind"] == "long-decode" else r["kind"]
         key = table_key(kind, r["dtype"], r["head_dim"])
-        if r.get("rel_err_vs_triton", 0.0) > MAX_REL_ERR:
+        if not r.get("rel_err_vs_triton", 0.0) <= MAX_REL_ERR:  # NaN (an output never written) is wrong too
             wrong.add((key, r["backend"]))
         by_key.setdefault(key, {}).setdefault((r["shape"], r["page"], r["kind"]), {})[r["backend"]] = r["ms"]
     picked = {}
