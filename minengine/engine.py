@@ -309,6 +309,8 @@ class Engine:
         self.scheduler.abort(req)
         if running and req.detok is not None and not req.detok.stop:
             req.detok.add(req.output_ids)  # its text so far (``stop_reason`` makes it only at the end)
+        if self.delayer is not None and not self.has_unfinished():
+            self.delayer.requests_left()  # no pass follows to end a wait it was held in
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

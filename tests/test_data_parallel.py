@@ -245,3 +245,80 @@ def test_cpu_workers_split_the_cores(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_lockstep_workers_are_quiet_when_idle_and_leave_together(tmp_path):
+    """Two real workers with the delayer (a collective every pass), the test as their front end.
+    Idle, they pass every 2 ms but send nothing: those passes are counted and go with the next
+    output (a message each flooded the front end, and blocked on a full socket where nothing read).
+    A Shutdown that reaches one worker first: it still runs that turn's pass, so the other is not
+    left in the collective (it failed with a gloo error, and its aborts were lost); both abort what
+    they hold, report it, and exit after the same pass."""
+    import multiprocessing
+    import os
+    import pickle
+    import time
+
+    import zmq
+
+    from minengine import SamplingParams
+    from minengine.config import EngineConfig
+    from minengine.server.protocol import AddRequest, Fatal, Ready, Shutdown
+    from minengine.server.scheduler_process import run_scheduler
+    from minengine.server.workers import free_port
+
+    cfg = EngineConfig(model="tiny", dp_size=2, enable_prefill_delayer=True, page_size=4)
+    ctx = zmq.Context()
+    requests = [f"ipc://{tmp_path}/r{i}" for i in range(2)]
+    outboxes = []
+    for addr in requests:
+        outboxes.append(ctx.socket(zmq.PUSH))
+        outboxes[-1].bind(addr)
+    inbox = ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{tmp_path}/out")
+    dist = f"tcp://127.0.0.1:{free_port()}"
+    spawn = multiprocessing.get_context("spawn")
+    procs = [
+        spawn.Process(target=run_scheduler, args=(cfg, requests[i], f"ipc://{tmp_path}/out", os.getpid(), i, dist))
+        for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+
+        def receive(seconds: float) -> list:
+            got, end = [], time.monotonic() + seconds
+            while time.monotonic() < end:
+                if inbox.poll(50):
+                    got.append(pickle.loads(inbox.recv()))
+            return got
+
+        ready = []
+        while len(ready) < 2:
+            assert inbox.poll(120_000), "the workers did not start"
+            msg = pickle.loads(inbox.recv())
+            assert not isinstance(msg, Fatal), msg.message
+            ready += [msg] if isinstance(msg, Ready) else []
+        receive(0.5)  # their first gauges
+        assert len(receive(1.5)) <= 2  # idle: hundreds of passes each, no messages
+        slow = SamplingParams(max_tokens=400, ignore_eos=True)
+        for i, box in enumerate(outboxes):
+            box.send(pickle.dumps(AddRequest(f"r{i}", [i + 1] * 8, slow)))
+        counted = receive(0.5)
+        passes = sum(o.passes for m in counted for o in m.delayer)
+        assert passes > 20 and all(not o.idle or o.passes >= 1 for m in counted for o in m.delayer)
+        outboxes[0].send(pickle.dumps(Shutdown()))  # worker 1's never comes
+        last = {}
+        for msg in receive(10):
+            assert not isinstance(msg, Fatal), msg.message
+            last[msg.rank] = msg
+        aborted = {u.rid for m in last.values() for u in m.updates if u.finish_reason == "abort"}
+        assert aborted == {"r0", "r1"}
+        for p in procs:
+            p.join(10)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        ctx.destroy(linger=0)

@@ -7,10 +7,11 @@ on the CPU group; with one worker there is no collective.
 
 The decision is a pure function of (previous state, gathered infos, config):
 
-- status ``all`` (every worker could prefill): allow on the very first pass (``no_wait``);
-  delay while ``max_running_requests - max(running) < max(max_prefill_bs)`` (the decode batches
-  have not drained enough to admit a full prefill batch); otherwise allow (``no_wait``, or
-  ``wait_success`` after delays).
+- status ``all`` (every worker could prefill): delay while ``max_running_requests - max(running)
+  < max(max_prefill_bs)`` (the decode batches have not drained enough to admit a full prefill
+  batch), except the first time after start, which is allowed (``no_wait``; as SGLang's
+  ``skip_first_delayer``, a one-shot: on the first pass itself nothing runs, so the rule could
+  never hold there); otherwise allow (``no_wait``, or ``wait_success`` after delays).
 - status ``mixed``: allow at once if some worker's KV usage is under the watermark
   (``token_watermark``); otherwise delay.
 - status ``none``: allow (nothing to hold).
@@ -54,17 +55,19 @@ class Decision(NamedTuple):
     allow: bool
     reason: str  # "", "no_wait", "wait_success", "token_watermark", "wait_timeout", "delay"
     status: str  # "all", "mixed", "none"
+    first_used: bool = False  # this decision spent the one delay skipped after start
 
 
 def decide(prev: DelayState | None, infos: Sequence[WorkerInfo], cfg: DelayerConfig, first_pass: bool) -> Decision:
+    """``first_pass``: the delay skipped after start is still unused (``first_used`` spends it)."""
     prefillable = [i.prefillable for i in infos]
     if not any(prefillable):
         return Decision(None, True, "", "none")
     if all(prefillable):
-        if first_pass:
-            return Decision(None, True, "no_wait", "all")
         drained = cfg.max_running_requests - max(i.running_bs for i in infos)
         if drained < max(i.max_prefill_bs for i in infos):
+            if first_pass:
+                return Decision(None, True, "no_wait", "all", first_used=True)
             return _delay_or_timeout(prev, cfg, "all")
         return Decision(None, True, "wait_success" if prev is not None else "no_wait", "all")
     if any(i.token_watermark_force_allow for i in infos):
@@ -88,6 +91,12 @@ class Outcome(NamedTuple):
     actual_prefill: bool
     waited_passes: int | None  # set when this pass ended a wait
     waited_seconds: float | None
+    passes: int = 1  # how many such passes (a worker sends its idle passes as one count)
+
+    @property
+    def idle(self) -> bool:
+        """A pass where no worker could prefill, and that ended no wait: only counted."""
+        return self.reason == "" and not self.actual_prefill and self.waited_passes is None
 
 
 class PrefillDelayer:
@@ -96,12 +105,22 @@ class PrefillDelayer:
     def __init__(self, cfg: DelayerConfig, gather: Callable[[WorkerInfo], list[WorkerInfo]] | None = None):
         self.cfg = cfg
         self.gather = gather or (lambda info: [info])  # one worker: no collective
+        self.local = gather is None
         self.state: DelayState | None = None
-        self.first_pass = True
+        self.first_pass = True  # the first delay after start is skipped
         self.outcomes: list[Outcome] = []  # drained by whoever reports metrics
 
     def begin_pass(self) -> SinglePass:
         return SinglePass(self)
+
+    def requests_left(self) -> None:
+        """The worker's last request left between passes (aborted): a wait in progress ends now,
+        as a pass with nothing to prefill would end it, instead of running on into the next
+        request's first pass (its passes and idle seconds counted as a wait, its label
+        ``wait_success``). One worker only: a data-parallel worker runs a pass every turn anyway, and
+        a pass outside the turn would misalign the collectives."""
+        if self.local and self.state is not None:
+            self.begin_pass().finalize(actual_prefill=False)
 
 
 class SinglePass:
@@ -119,7 +138,8 @@ class SinglePass:
             d = self._delayer
             self._prev = d.state
             self._decision = decide(d.state, d.gather(info), d.cfg, d.first_pass)
-            d.state, d.first_pass = self._decision.next_state, False
+            d.state = self._decision.next_state
+            d.first_pass = d.first_pass and not self._decision.first_used
         return self._decision.allow
 
     def finalize(self, actual_prefill: bool) -> None:

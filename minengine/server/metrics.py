@@ -79,7 +79,8 @@ class Metrics:
     def record_delayer(self, outcomes) -> None:
         for o in outcomes:
             allow, actual = str(o.allow).lower(), str(o.actual_prefill).lower()
-            self.delayer_outcomes.labels(output_allow=allow, output_reason=o.reason, actual_execution=actual).inc()
+            labels = dict(output_allow=allow, output_reason=o.reason, actual_execution=actual)
+            self.delayer_outcomes.labels(**labels).inc(o.passes)
             if o.waited_passes is not None:
                 self.delayer_wait_passes.observe(o.waited_passes)
                 self.delayer_wait_seconds.observe(o.waited_seconds)

@@ -28,7 +28,7 @@ import zmq
 from minengine.config import EngineConfig
 from minengine.engine import Engine, resolve_device
 from minengine.request import Request
-from minengine.scheduler.prefill_delayer import WorkerInfo
+from minengine.scheduler.prefill_delayer import Outcome, WorkerInfo
 from minengine.server.protocol import (
     AbortRequest,
     AddRequest,
@@ -44,6 +44,7 @@ from minengine.server.protocol import (
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 LOCKSTEP_POLL_MS = 2
+STARTUP_BARRIER = datetime.timedelta(minutes=30)  # the longest a data-parallel worker may load after the first
 PENDING_POLL_MS = 1
 
 
@@ -93,11 +94,22 @@ def _ours(exc: Exception) -> bool:
     return where == PACKAGE_DIR or where.startswith(PACKAGE_DIR + os.sep)
 
 
-def _all_gather(info: WorkerInfo) -> list[WorkerInfo]:
-    mine = torch.tensor([int(v) for v in info], dtype=torch.int64)
-    everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(everyone, mine)
-    return [WorkerInfo(bool(t[0]), bool(t[1]), int(t[2]), int(t[3])) for t in everyone]
+class Lockstep:
+    """The data-parallel workers' all_gather of the prefill delayer's four ints (one per pass on
+    every worker), with a fifth: whether this worker is stopping. A worker that reads its Shutdown
+    still runs that turn's pass, so the others are not left in the collective, and every worker
+    leaves after the first pass in which one was stopping: all after the same pass."""
+
+    def __init__(self):
+        self.stopping = False
+        self.peer_stopping = False
+
+    def __call__(self, info: WorkerInfo) -> list[WorkerInfo]:
+        mine = torch.tensor([*(int(v) for v in info), int(self.stopping)], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(everyone, mine)
+        self.peer_stopping = any(bool(t[4]) for t in everyone)
+        return [WorkerInfo(bool(t[0]), bool(t[1]), int(t[2]), int(t[3])) for t in everyone]
 
 
 def _share_cores(config: EngineConfig) -> None:
@@ -131,11 +143,15 @@ def run_scheduler(
             torch.distributed.init_process_group(
                 "gloo", init_method=dist_addr, rank=rank, world_size=config.dp_size, timeout=timeout
             )
-            gather = _all_gather
+            gather = Lockstep()
         if config.device != "cpu" and torch.cuda.is_available():
             torch.cuda.set_device(config.base_gpu_id + rank)
         _share_cores(config)
         engine = Engine(config, detokenize=False, gather=gather)
+        if gather is not None:
+            # every worker loaded (and captured its CUDA graphs) before the first pass's collective:
+            # one slower by more than the group's 60 s would otherwise time the others out
+            torch.distributed.monitored_barrier(timeout=STARTUP_BARRIER, wait_all_ranks=True)
         ready = Ready(
             engine.model_config.vocab_size,
             engine.context_length,
@@ -144,7 +160,7 @@ def run_scheduler(
             frozenset(engine.eos_token_ids),
         )
         outbox.send_pyobj(ready)
-        _loop(engine, inbox, outbox, parent_pid, rank, lockstep=gather is not None and engine.delayer is not None)
+        _loop(engine, inbox, outbox, parent_pid, rank, lockstep=gather if engine.delayer is not None else None)
     except Exception as exc:
         if engine is None and _ours(exc):
             # a config the model cannot take (context_length over its max_position_embeddings): the
@@ -243,7 +259,9 @@ def make_driver(engine: Engine):
     return (PrefillDriver if mode == "prefill" else DecodeDriver)(engine)
 
 
-def _loop(engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, rank: int, lockstep: bool) -> None:
+def _loop(
+    engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, rank: int, lockstep: Lockstep | None
+) -> None:
     driver = make_driver(engine)
     try:
         _serve(engine, driver, inbox, outbox, parent_pid, rank, lockstep)
@@ -251,8 +269,14 @@ def _loop(engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int
         driver.close()
 
 
-def _serve(engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, rank: int, lockstep: bool):
+def _serve(
+    engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, rank: int, lockstep: Lockstep | None
+):
+    """The worker's loop. With ``lockstep`` (data-parallel workers with the prefill delayer) every
+    turn runs a pass, busy or not, since each pass joins the workers' collective."""
     last_stats: dict[str, int] = {}
+    outcomes: list[Outcome] = []  # the delayer's passes not sent yet
+    idle_passes = 0  # passes where no worker could prefill: counted, and sent with the next output
     poller, watched = zmq.Poller(), set()
     poller.register(inbox, zmq.POLLIN)
     while os.getppid() == parent_pid:
@@ -266,7 +290,8 @@ def _serve(engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent
         if driver.has_work():
             timeout = 0
         else:
-            timeout = PENDING_POLL_MS if driver.pending() else LOCKSTEP_POLL_MS if lockstep else IDLE_POLL_MS
+            idle_ms = IDLE_POLL_MS if lockstep is None else LOCKSTEP_POLL_MS
+            timeout = PENDING_POLL_MS if driver.pending() else idle_ms
         poller.poll(timeout)
         while inbox.poll(0):
             msg = pickle.loads(inbox.recv())
@@ -278,14 +303,31 @@ def _serve(engine: Engine, driver, inbox: zmq.Socket, outbox: zmq.Socket, parent
                 driver.fail_room(msg)
             elif isinstance(msg, Shutdown):
                 updates += driver.abort_all()
-                outbox.send_pyobj(StepOutput(rank, updates, engine.stats()))
-                return
-        if driver.has_work() or driver.pending() or lockstep or watched:  # a peer may have written
+                if lockstep is None:
+                    outbox.send_pyobj(StepOutput(rank, updates, engine.stats()))
+                    return
+                lockstep.stopping = True  # this turn's pass still runs: the others are in its collective
+                break
+        if driver.has_work() or driver.pending() or lockstep is not None or watched:  # a peer may have written
             updates += driver.step()
-        outcomes = engine.drain_delayer_outcomes()
+        for outcome in engine.drain_delayer_outcomes():
+            if outcome.idle:
+                idle_passes += 1
+            else:
+                outcomes.append(outcome)
+        stopping = lockstep is not None and lockstep.peer_stopping
+        if stopping and not lockstep.stopping:  # a peer read its Shutdown a turn before this worker
+            updates += driver.abort_all()
         received, sent = driver.drain_transfer_stats()
         stats = engine.stats()
         stats["num_requests_waiting"] += driver.queued()  # the gauge counts every request not yet running
-        if updates or outcomes or received or sent or stats != last_stats:  # gauges also move without tokens
+        # gauges also move without tokens; idle passes alone send nothing (an idle lockstep worker
+        # passes every 2 ms: a message each would flood the front end, or block on a full socket
+        # where nothing reads, as between an offline LLM's calls)
+        if updates or outcomes or received or sent or stats != last_stats or stopping:
+            if idle_passes:
+                outcomes.append(Outcome(True, "", False, None, None, passes=idle_passes))
             outbox.send_pyobj(StepOutput(rank, updates, stats, outcomes, received, sent))
-            last_stats = stats
+            last_stats, outcomes, idle_passes = stats, [], 0
+        if stopping:  # every worker leaves after this same pass
+            return
