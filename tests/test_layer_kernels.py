@@ -148,6 +148,7 @@ def test_contract_checks_name_the_value_and_what_is_allowed(device):
         (lambda: fused.rms_norm(x, w.half(), 1e-5), r"weight must be contiguous \[8\] .* of x's dtype"),
         (lambda: fused.rms_norm(x[:, ::2], w[:4], 1e-5), r"x must have a contiguous last dim"),
         (lambda: fused.rms_norm(x, w, -1.0), r"eps is -1.0; allowed: a number >= 0"),
+        (lambda: fused.rms_norm(x, w, None), r"eps is None; allowed: a number >= 0"),
         (lambda: fused.rms_norm(x, w, 1e-5, x[:2]), r"residual must match x \(\(3, 8\)"),
         (lambda: fused.rms_norm(x[None], w, 1e-5), r"x must be \[rows, n\], got shape \(1, 3, 8\)"),
         (lambda: fused.silu_and_mul(x, x[:, :4]), r"gate and up must be \[rows, n\] of one shape"),
@@ -157,6 +158,8 @@ def test_contract_checks_name_the_value_and_what_is_allowed(device):
     pos = torch.zeros(2, dtype=torch.int64, device=device)
     cases += [
         (lambda: fused.rotary(pos, q[..., :5], q[:, :2, :5], cos, cos), r"head dim is 5; allowed: an even number"),
+        (lambda: fused.rotary(pos, q[..., :0], q[:, :2, :0], cos, cos), r"head dim is 0; allowed: an even number >= 2"),
+        (lambda: fused.rotary(pos, q, q[:, :0], cos, cos), r"q and k have 4 and 0 heads; allowed: >= 1 each"),
         (lambda: fused.rotary(pos.int(), q, q[:, :2], cos, cos), r"positions must be contiguous int64 \[2\]"),
         (lambda: fused.rotary(pos, q, q[:, :2].half(), cos, cos), r"q and k must share a dtype"),
         (lambda: fused.rotary(pos, q, q[:, :2], cos[:, :4], cos[:, :4]), r"cos must be contiguous float32"),

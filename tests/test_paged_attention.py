@@ -251,10 +251,39 @@ def test_bad_out_raises(device):
         triton_kernels.paged_attention(**args, out=args["q"].float())
 
 
-@pytest.mark.parametrize("num_splits", [0, 3, 32])
+@pytest.mark.parametrize("num_splits", [0, 3, 32, 2.0, "2", True])
 def test_bad_num_splits_raises(num_splits, device):
-    with pytest.raises(ValueError, match="num_splits is"):
+    with pytest.raises(ValueError, match="num_splits is .*; allowed: a power of two from 1 to 16"):
         triton_kernels.paged_attention(**_bad(device), num_splits=num_splits)
+
+
+def test_any_integer_num_splits_and_scale_run(device):
+    """A numpy integer is an integer (it ran into the kernel unconverted and failed there)."""
+    args = _bad(device)
+    want = triton_kernels.paged_attention(**args, num_splits=2, softmax_scale=0.25)
+    got = triton_kernels.paged_attention(**args, num_splits=np.int64(2), softmax_scale=np.float32(0.25))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), True, "0.1"])
+def test_bad_softmax_scale_raises(scale, device, kernels):
+    """NaN or inf made every output NaN without an error."""
+    for run in (kernels.paged_attention, reference.paged_attention):
+        with pytest.raises(ValueError, match=r"softmax_scale is .*; allowed: a finite number"):
+            run(**_bad(device), softmax_scale=scale)
+
+
+def test_a_bool_max_seqlen_q_raises(device):
+    with pytest.raises(ValueError, match="max_seqlen_q must be a host int >= 0; got True"):
+        triton_kernels.paged_attention(**_bad(device, max_seqlen_q=True))
+
+
+def test_a_device_mismatch_names_every_device():
+    """The odd one out may be q itself: the message lists them all, not 'k_cache is on cpu'."""
+    args = _bad("cpu")
+    args["q"] = args["q"].to("meta")
+    with pytest.raises(ValueError, match="the tensors must be on one device; got q on meta, k_cache on cpu"):
+        triton_kernels.paged_attention(**args)
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,16 @@ def test_store_kv_all_padding_and_empty(device, kernels):
     assert torch.equal(k_cache, before)
 
 
+def test_store_kv_refuses_empty_heads():
+    """Hkv or D of 0 crashed inside Triton (an arange of 0); now a ValueError as any bad shape."""
+    for shape in ((4, 0, 8), (4, 2, 0)):
+        k = torch.zeros(shape)
+        cache = torch.zeros(3, 4, *shape[1:])
+        for impl in (triton_kernels.store_kv, reference.store_kv):
+            with pytest.raises(ValueError, match=r"k's \[Hkv, D\] is .*; allowed: each >= 1"):
+                impl(k, k, cache, cache.clone(), torch.arange(4))
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -59,10 +59,15 @@ from triton_kernels._common import (
     max_shared_memory,
     num_sms,
 )
-from triton_kernels.contract import check_paged_attention, check_paged_attention_values
+from triton_kernels.contract import (
+    MAX_SPLITS,
+    check_num_splits,
+    check_paged_attention,
+    check_paged_attention_values,
+    softmax_scale_or_default,
+)
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 16
 
 
 @triton.jit
@@ -485,11 +490,10 @@ def paged_attention(
     else:
         cfg = check_config(config, group)
     block_q, small_q = cfg.tokens(group)
+    num_splits = check_num_splits(num_splits)
+    scale = softmax_scale_or_default(softmax_scale, dims.head_dim)
     if num_splits is None:
         num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
-    if not (1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0):
-        raise ValueError(f"num_splits is {num_splits}; allowed: a power of two from 1 to {MAX_SPLITS}")
-    scale = dims.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
     block_d = triton.next_power_of_2(dims.head_dim)
 
     if num_splits > 1:

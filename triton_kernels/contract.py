@@ -8,6 +8,8 @@ value and what is allowed.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -48,9 +50,34 @@ def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     _expect(tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}; expected {shape}")
 
 
-def _expect_device(device: torch.device, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        _expect(t.device == device, f"{name} is on {t.device}; expected {device} like the others")
+def _expect_device(**tensors: torch.Tensor) -> None:
+    """One device for all: a mismatch names every tensor's device (the first may be the odd one)."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise ValueError(f"the tensors must be on one device; got {where}")
+
+
+MAX_SPLITS = 16
+
+
+def check_num_splits(num_splits: object) -> int | None:
+    """None (chosen from the batch shape), or a power of two in [1, MAX_SPLITS], as a plain int."""
+    good = isinstance(num_splits, numbers.Integral) and not isinstance(num_splits, bool)
+    if num_splits is None:
+        return None
+    if not (good and 1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0):
+        raise ValueError(f"num_splits is {num_splits!r}; allowed: a power of two from 1 to {MAX_SPLITS}")
+    return int(num_splits)
+
+
+def softmax_scale_or_default(softmax_scale: object, head_dim: int) -> float:
+    """``softmax_scale`` as a float (None: head_dim ** -0.5); NaN or inf would make every output NaN."""
+    if softmax_scale is None:
+        return head_dim**-0.5
+    good = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
+    _expect(good and math.isfinite(softmax_scale), f"softmax_scale is {softmax_scale!r}; allowed: a finite number")
+    return float(softmax_scale)
 
 
 def check_paged_attention(
@@ -91,7 +118,7 @@ def check_paged_attention(
     _expect_dtype("cu_seqlens_q", cu_seqlens_q, (torch.int32,))
     _expect_shape("cu_seqlens_q", cu_seqlens_q, (num_seqs + 1,))
     _expect(
-        isinstance(max_seqlen_q, int) and max_seqlen_q >= 0,
+        isinstance(max_seqlen_q, int) and not isinstance(max_seqlen_q, bool) and max_seqlen_q >= 0,
         f"max_seqlen_q must be a host int >= 0; got {max_seqlen_q!r}",
     )
     _expect(q.stride(-1) == 1, f"q's last dim must be contiguous; strides are {q.stride()}")
@@ -107,14 +134,14 @@ def check_paged_attention(
         "seq_lens and cu_seqlens_q must be contiguous",
     )
     tensors = dict(
-        k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
     )
     if out is not None:
         _expect_shape("out", out, tuple(q.shape))
         _expect(out.dtype == q.dtype, f"out.dtype is {out.dtype}; expected q.dtype {q.dtype}")
         _expect(out.stride(-1) == 1, f"out's last dim must be contiguous; strides are {out.stride()}")
         tensors["out"] = out
-    _expect_device(q.device, **tensors)
+    _expect_device(**tensors)
     return AttentionDims(num_tokens, hq, hkv, d, num_pages, page_size, num_seqs, max_pages)
 
 
@@ -169,12 +196,13 @@ def check_store_kv(
     for name, t in (("k", k), ("v", v), ("v_cache", v_cache)):
         _expect(t.dtype == k_cache.dtype, f"{name}.dtype is {t.dtype}; expected the cache dtype {k_cache.dtype}")
     _expect(k_cache.shape[1] >= 1, f"page_size is {k_cache.shape[1]}; allowed: any integer >= 1")
+    _expect(min(k.shape[1:]) >= 1, f"k's [Hkv, D] is {tuple(k.shape[1:])}; allowed: each >= 1")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         _expect(t.stride(-1) == 1, f"{name}'s last dim must be contiguous; strides are {t.stride()}")
     _expect_dtype("slot_mapping", slot_mapping, (torch.int64,))
     _expect_shape("slot_mapping", slot_mapping, (k.shape[0],))
     _expect(slot_mapping.is_contiguous(), f"slot_mapping must be contiguous; its stride is {slot_mapping.stride(0)}")
-    _expect_device(k.device, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    _expect_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
 
 
 def check_store_kv_values(k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -206,7 +234,7 @@ def check_gather_input_ids(
     )
     _expect_dtype("decode_indices", decode_indices, ID_DTYPES)
     total = prefill_ids.numel() + decode_indices.numel()
-    tensors = dict(decode_indices=decode_indices)
+    tensors = dict(token_buffer=token_buffer, decode_indices=decode_indices)
     if out is not None:
         _expect_shape("out", out, (total,))
         _expect(out.dtype == prefill_ids.dtype, f"out.dtype is {out.dtype}; expected {prefill_ids.dtype}")
@@ -215,7 +243,7 @@ def check_gather_input_ids(
         _expect(prefill_ids.is_pinned(), "prefill_ids on the host must be in pinned memory (tensor.pin_memory())")
     else:
         tensors["prefill_ids"] = prefill_ids
-    _expect_device(token_buffer.device, **tensors)
+    _expect_device(**tensors)
     return total
 
 

@@ -34,6 +34,8 @@ Contracts::
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -146,6 +148,11 @@ def _check_float(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {tuple(t.stride())}")
 
 
+def _check_eps(eps: object) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps is {eps!r}; allowed: a number >= 0")
+
+
 def norm_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
 
@@ -163,8 +170,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         )
     if not 1 <= n <= MAX_NORM_WIDTH:
         raise ValueError(f"x's last dim is {n}; allowed: 1..{MAX_NORM_WIDTH}")
-    if not eps >= 0:
-        raise ValueError(f"eps is {eps!r}; allowed: a number >= 0")
+    _check_eps(eps)
     if residual is not None:
         _check_float("residual", residual)
         if residual.shape != x.shape or residual.dtype != x.dtype:
@@ -201,8 +207,10 @@ def rotary(
     if q.dtype != k.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
     t, hq, d = q.shape
-    if d % 2:
-        raise ValueError(f"head dim is {d}; allowed: an even number")
+    if d % 2 or d == 0:
+        raise ValueError(f"head dim is {d}; allowed: an even number >= 2")
+    if min(hq, k.shape[1]) < 1:
+        raise ValueError(f"q and k have {hq} and {k.shape[1]} heads; allowed: >= 1 each")
     if positions.dtype != torch.int64 or positions.shape != (t,) or not positions.is_contiguous():
         raise ValueError(f"positions must be contiguous int64 [{t}], got {positions.dtype} {tuple(positions.shape)}")
     for name, table in (("cos", cos), ("sin", sin)):
@@ -217,8 +225,7 @@ def rotary(
             if w is None or w.shape != (d,) or w.dtype != q.dtype or not w.is_contiguous():
                 got = "None" if w is None else f"{tuple(w.shape)} {w.dtype}"
                 raise ValueError(f"{name} must be contiguous [{d}] (the head dim) of q's dtype {q.dtype}, got {got}")
-        if not eps >= 0:
-            raise ValueError(f"eps is {eps!r}; allowed: a number >= 0")
+        _check_eps(eps)
     check_runnable(positions, q, k, cos, sin, *((q_weight, k_weight) if norm else ()))
     if t == 0:
         return

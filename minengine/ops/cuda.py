@@ -25,10 +25,12 @@ import torch
 from triton_kernels.contract import (
     check_gather_input_ids,
     check_gather_input_ids_values,
+    check_num_splits,
     check_paged_attention,
     check_paged_attention_values,
     check_store_kv,
     check_store_kv_values,
+    softmax_scale_or_default,
 )
 
 try:
@@ -117,10 +119,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """``num_splits`` (a power of two up to 16) splits KV on the tensor-core kernel; the CUDA-core
     kernel (fp32, unaligned caches) has no split path and ignores it."""
-    from triton_kernels.attention import MAX_SPLITS, pick_num_splits
+    from triton_kernels.attention import pick_num_splits
 
-    if num_splits is not None and not (1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0):
-        raise ValueError(f"num_splits is {num_splits}; allowed: a power of two from 1 to {MAX_SPLITS}")
+    num_splits = check_num_splits(num_splits)
     if out is None:
         out = torch.empty_like(q)
     dims, args = _attention_call(
@@ -199,7 +200,7 @@ def _attention_call(
         so_t=out.stride(0),
         so_h=out.stride(1),
         sbt=block_tables.stride(0),
-        softmax_scale=dims.head_dim**-0.5 if softmax_scale is None else float(softmax_scale),
+        softmax_scale=softmax_scale_or_default(softmax_scale, dims.head_dim),
         dtype=_DTYPES[q.dtype],
         stream=_stream(q.device),
         max_seqlen_q=int(max_seqlen_q),

@@ -15,6 +15,7 @@ from triton_kernels.contract import (
     check_gather_input_ids,
     check_paged_attention,
     check_store_kv,
+    softmax_scale_or_default,
 )
 
 # Query rows per matmul: bounds the [Hq, rows, seq_len] score tensor for long sequences.
@@ -39,7 +40,7 @@ def paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out, REFERENCE_DTYPES
     )
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scale = dims.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_or_default(softmax_scale, dims.head_dim)
     group = dims.num_q_heads // dims.num_kv_heads
     if out is None:
         out = torch.empty_like(q)
