@@ -22,10 +22,11 @@
 # stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d; the cuda columns and ncu
 # time stop 43's CUDA tile changes, and their fp64 error columns are the first check of them on a
 # GPU), then within the machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is
-# still there), `serving overlap chunk` (about 450 s: a server start is about 45 s, and chunk's 100
-# long prompts arrive over 50 s), `serving delayer`, grid (the tuning table), the rest of engine,
-# disagg; tests again when a session has the time (the CUDA kernels changed since they passed). A
-# group's run cut off by the budget is lost whole (bench_serving writes at its end).
+# still there), `serving overlap chunk` (about 450 s: a server start is about 45 s, and chunk's
+# 100 prompts, 20 of them 8k tokens long, arrive over 50 s), `serving delayer`, grid (the tuning
+# table), the rest of engine, disagg; tests again when a session has the time (the CUDA kernels
+# changed since they passed). A group's run cut off by the budget is lost whole (bench_serving
+# writes at its end).
 # Carry the `base` wheels for tests (FlashInfer's tests then skip: its JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving.
 #
@@ -105,7 +106,9 @@ case $PHASE in
     # FlashInfer's JIT modules for the cases first, compiled together (at most 240 s: baselines not
     # built by then are left out); the cases start nothing in the phase's last 150 s (ncu's), and
     # SIGTERM ends the one running, so the report holds what it measured
-    step bench_attention timeout -s TERM $(($(left) - 150)) python3 benchmarks/bench_attention.py \
+    cases_budget=$(($(left) - 150))
+    [ "$cases_budget" -lt 30 ] && cases_budget=30  # (timeout 0 would mean no limit)
+    step bench_attention timeout -s TERM $cases_budget python3 benchmarks/bench_attention.py \
       --triton-variants --flashinfer-warmup 240 --out "$WORK/results"
     step ncu bash profiles/ncu_kernels.sh
     cp profiles/out/ncu_*.txt profiles/out/ncu_summary.md "$WORK/logs/" 2>/dev/null

@@ -733,3 +733,22 @@ def test_bench_serving_long_short_mix_and_bursty_arrivals(capsys):
     gaps = [gen.gammavariate(0.25, 1 / (10 * 0.25)) for _ in range(20000)]
     assert abs(sum(gaps) / len(gaps) - 0.1) < 0.01  # the rate holds; the gaps' spread grows (bursts)
     assert sorted(gaps)[len(gaps) // 2] < 0.03
+
+
+def test_bench_attention_a_kernel_that_writes_nothing_has_a_nan_error(monkeypatch):
+    """Every backend of a case writes into one buffer: it is poisoned before each check, so a kernel
+    that writes nothing is not scored on the previous backend's output (and meets no target)."""
+    from minengine.ops import cuda as cuda_backend
+
+    bench = load_bench()
+    monkeypatch.setattr(cuda_backend, "available", lambda: True)
+    monkeypatch.setattr(cuda_backend, "paged_attention", lambda *a, out=None, **k: out)
+    monkeypatch.setattr(cuda_backend, "chosen_kernel", lambda *a, **k: "mma")
+    args = argparse.Namespace(smoke=True, no_torch=True, no_flashinfer=True, num_q_heads=4, num_kv_heads=2,
+                              head_dim=32, page_size=16, triton_variants=False)  # fmt: skip
+    device, ceilings = torch.device("cpu"), {"copy_gbps": 1.0, "matmul_tflops": 1.0}
+    (case,) = [c for c in bench.cases(256) if c.name == "a"]
+    row = bench.run_case(bench.Case(case.name, case.label, case.q_lens[:3], case.seq_lens[:3], None), args, device,
+                         bench.timer(device), ceilings)  # fmt: skip
+    assert row["rel_err_vs_fp64"] < 1e-2 and row["cuda_rel_err_vs_fp64"] != row["cuda_rel_err_vs_fp64"]
+    assert bench.wrong_output(row, "cuda") and not bench.wrong_output(row, "triton")

@@ -253,7 +253,8 @@ def test_lockstep_workers_are_quiet_when_idle_and_leave_together(tmp_path):
     output (a message each flooded the front end, and blocked on a full socket where nothing read).
     A Shutdown that reaches one worker first: it still runs that turn's pass, so the other is not
     left in the collective (it failed with a gloo error, and its aborts were lost); both abort what
-    they hold, report it, and exit after the same pass."""
+    they hold, report it, and exit after the same pass. A request that reached the other worker
+    before its own Shutdown is answered too (as aborted), not left for the front end to wait on."""
     import multiprocessing
     import os
     import pickle
@@ -273,6 +274,7 @@ def test_lockstep_workers_are_quiet_when_idle_and_leave_together(tmp_path):
     outboxes = []
     for addr in requests:
         outboxes.append(ctx.socket(zmq.PUSH))
+        outboxes[-1].setsockopt(zmq.SNDTIMEO, 5000)  # a worker gone: zmq.Again, not a hang
         outboxes[-1].bind(addr)
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{tmp_path}/out")
@@ -307,13 +309,16 @@ def test_lockstep_workers_are_quiet_when_idle_and_leave_together(tmp_path):
         counted = receive(0.5)
         passes = sum(o.passes for m in counted for o in m.delayer)
         assert passes > 20 and all(not o.idle or o.passes >= 1 for m in counted for o in m.delayer)
-        outboxes[0].send(pickle.dumps(Shutdown()))  # worker 1's never comes
+        outboxes[0].send(pickle.dumps(Shutdown()))
+        time.sleep(0.2)  # worker 1 left with worker 0; what the front end sent it before its Shutdown:
+        outboxes[1].send(pickle.dumps(AddRequest("late", [5] * 8, slow)))
+        outboxes[1].send(pickle.dumps(Shutdown()))
         last = {}
         for msg in receive(10):
             assert not isinstance(msg, Fatal), msg.message
             last[msg.rank] = msg
         aborted = {u.rid for m in last.values() for u in m.updates if u.finish_reason == "abort"}
-        assert aborted == {"r0", "r1"}
+        assert aborted == {"r0", "r1", "late"}  # every request answered
         for p in procs:
             p.join(10)
             assert p.exitcode == 0

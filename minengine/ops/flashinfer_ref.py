@@ -43,6 +43,7 @@ import torch
 
 from minengine.memory.kv_pool import to_device_packed
 from minengine.ops import HostMetadata
+from triton_kernels.contract import softmax_scale_or_default
 
 logger = logging.getLogger(__name__)
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's float workspace (split-KV partials), as in vLLM
@@ -253,7 +254,7 @@ class FlashInferBackend:
         """What a plan depends on besides the batch: (device, q dtype, kv dtype, page size, kv heads,
         head dim, q heads, scale)."""
         _, page_size, hkv, d = k_cache.shape
-        scale = softmax_scale if softmax_scale is not None else d**-0.5
+        scale = softmax_scale_or_default(softmax_scale, d)  # (checked as our kernels check it)
         return (q.device, q.dtype, k_cache.dtype, page_size, hkv, d, q.shape[1], scale)
 
     def _staged_for(self, metadata: tuple[torch.Tensor, ...]) -> HostMetadata | None:

@@ -44,7 +44,11 @@ from minengine.server.protocol import (
 logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 LOCKSTEP_POLL_MS = 2
-STARTUP_BARRIER = datetime.timedelta(minutes=30)  # the longest a data-parallel worker may load after the first
+# data-parallel workers: the longest one may start (load, capture graphs) after another, as long as
+# the front end waits for them (SchedulerClient.start); and the longest a pass's collective waits
+STARTUP_TIMEOUT = datetime.timedelta(seconds=600)
+PASS_TIMEOUT = datetime.timedelta(seconds=60)
+LATE_SECONDS = 1.0  # after a peer's Shutdown, how long a worker waits for its own (and what came before)
 PENDING_POLL_MS = 1
 
 
@@ -100,14 +104,15 @@ class Lockstep:
     still runs that turn's pass, so the others are not left in the collective, and every worker
     leaves after the first pass in which one was stopping: all after the same pass."""
 
-    def __init__(self):
+    def __init__(self, group=None):
+        self.group = group  # the workers' group with the pass timeout (None: the default group)
         self.stopping = False
         self.peer_stopping = False
 
     def __call__(self, info: WorkerInfo) -> list[WorkerInfo]:
         mine = torch.tensor([*(int(v) for v in info), int(self.stopping)], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(everyone, mine)
+        torch.distributed.all_gather(everyone, mine, group=self.group)
         self.peer_stopping = any(bool(t[4]) for t in everyone)
         return [WorkerInfo(bool(t[0]), bool(t[1]), int(t[2]), int(t[3])) for t in everyone]
 
@@ -139,19 +144,20 @@ def run_scheduler(
     try:
         gather = None
         if config.dp_size > 1:
-            timeout = datetime.timedelta(seconds=60)
+            # the default group waits as long as a start may take (its barrier below); the passes'
+            # collectives run on a group of their own with a short timeout, which finds a stuck peer
             torch.distributed.init_process_group(
-                "gloo", init_method=dist_addr, rank=rank, world_size=config.dp_size, timeout=timeout
+                "gloo", init_method=dist_addr, rank=rank, world_size=config.dp_size, timeout=STARTUP_TIMEOUT
             )
-            gather = Lockstep()
+            gather = Lockstep(torch.distributed.new_group(backend="gloo", timeout=PASS_TIMEOUT))
         if config.device != "cpu" and torch.cuda.is_available():
             torch.cuda.set_device(config.base_gpu_id + rank)
         _share_cores(config)
         engine = Engine(config, detokenize=False, gather=gather)
         if gather is not None:
             # every worker loaded (and captured its CUDA graphs) before the first pass's collective:
-            # one slower by more than the group's 60 s would otherwise time the others out
-            torch.distributed.monitored_barrier(timeout=STARTUP_BARRIER, wait_all_ranks=True)
+            # one slower by more than the pass timeout would otherwise time the others out
+            torch.distributed.barrier()
         ready = Ready(
             engine.model_config.vocab_size,
             engine.context_length,
@@ -250,6 +256,23 @@ def engine_updates(engine: Engine, live: dict[str, Request]) -> list[TokenUpdate
     return updates
 
 
+def _until_shutdown(inbox: zmq.Socket, driver, seconds: float = LATE_SECONDS) -> list[TokenUpdate]:
+    """After a peer's Shutdown: what the front end sent this worker before its own Shutdown (at
+    most ``seconds`` of waiting for it). A request it will not run is answered as aborted, so the
+    front end does not wait for it."""
+    updates: list[TokenUpdate] = []
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0 and inbox.poll(int(left * 1000) + 1):
+        msg = pickle.loads(inbox.recv())
+        if isinstance(msg, Shutdown):
+            break
+        if isinstance(msg, AddRequest):
+            updates.append(TokenUpdate(msg.rid, [], "abort"))
+        elif isinstance(msg, AbortRequest):
+            updates += driver.abort(msg.rid)
+    return updates
+
+
 def make_driver(engine: Engine):
     mode = engine.config.disaggregation_mode
     if mode == "null":
@@ -293,6 +316,7 @@ def _serve(
             idle_ms = IDLE_POLL_MS if lockstep is None else LOCKSTEP_POLL_MS
             timeout = PENDING_POLL_MS if driver.pending() else idle_ms
         poller.poll(timeout)
+        shutdown = False
         while inbox.poll(0):
             msg = pickle.loads(inbox.recv())
             if isinstance(msg, AddRequest):
@@ -303,21 +327,22 @@ def _serve(
                 driver.fail_room(msg)
             elif isinstance(msg, Shutdown):
                 updates += driver.abort_all()
-                if lockstep is None:
-                    outbox.send_pyobj(StepOutput(rank, updates, engine.stats()))
-                    return
-                lockstep.stopping = True  # this turn's pass still runs: the others are in its collective
+                shutdown = True
                 break
-        if driver.has_work() or driver.pending() or lockstep is not None or watched:  # a peer may have written
+        if lockstep is not None:  # this turn's pass still runs: the others are in its collective
+            lockstep.stopping = lockstep.stopping or shutdown
             updates += driver.step()
-        for outcome in engine.drain_delayer_outcomes():
+        elif not shutdown and (driver.has_work() or driver.pending() or watched):  # a peer may have written
+            updates += driver.step()
+        stopping = shutdown if lockstep is None else lockstep.peer_stopping
+        if stopping and not shutdown:  # a peer read its Shutdown a turn before this worker
+            updates += _until_shutdown(inbox, driver)
+            updates += driver.abort_all()
+        for outcome in engine.drain_delayer_outcomes():  # (the aborts may have ended a wait)
             if outcome.idle:
                 idle_passes += 1
             else:
                 outcomes.append(outcome)
-        stopping = lockstep is not None and lockstep.peer_stopping
-        if stopping and not lockstep.stopping:  # a peer read its Shutdown a turn before this worker
-            updates += driver.abort_all()
         received, sent = driver.drain_transfer_stats()
         stats = engine.stats()
         stats["num_requests_waiting"] += driver.queued()  # the gauge counts every request not yet running
