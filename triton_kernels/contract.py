@@ -52,9 +52,9 @@ def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 def _expect_device(**tensors: torch.Tensor) -> None:
     """One device for all: a mismatch names every tensor's device (the first may be the odd one)."""
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+    first = next(iter(tensors.values())).device
+    if any(t.device != first for t in tensors.values()):  # (every kernel call: the message only then)
+        where = ", ".join(f"{name} on {t.device}" for name, t in tensors.items())
         raise ValueError(f"the tensors must be on one device; got {where}")
 
 
@@ -63,9 +63,9 @@ MAX_SPLITS = 16
 
 def check_num_splits(num_splits: object) -> int | None:
     """None (chosen from the batch shape), or a power of two in [1, MAX_SPLITS], as a plain int."""
-    good = isinstance(num_splits, numbers.Integral) and not isinstance(num_splits, bool)
     if num_splits is None:
         return None
+    good = isinstance(num_splits, numbers.Integral) and not isinstance(num_splits, bool)
     if not (good and 1 <= num_splits <= MAX_SPLITS and num_splits & (num_splits - 1) == 0):
         raise ValueError(f"num_splits is {num_splits!r}; allowed: a power of two from 1 to {MAX_SPLITS}")
     return int(num_splits)
