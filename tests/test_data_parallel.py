@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 import httpx
 import pytest
-from test_server import alive, children, metrics, start_server, stop_server, wait_for
+from test_server import alive, children, metrics, run_cli, start_server, stop_server, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +143,7 @@ def test_dp_server_shuts_down_cleanly():
 def test_bad_dp_flags():
     import sys
 
-    r = subprocess.run(
-        [sys.executable, "-m", "minengine.serve", "--dp-size", "0"], capture_output=True, text=True, timeout=60
-    )
+    r = run_cli([sys.executable, "-m", "minengine.serve", "--dp-size", "0"], timeout=60)
     assert r.returncode == 2 and "argument --dp-size: dp_size is 0; allowed: an integer >= 1" in r.stderr
 
 

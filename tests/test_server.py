@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -55,6 +56,29 @@ def start_server(*flags: str, tmpdir: Path | None = None) -> tuple[subprocess.Po
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+def run_cli(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own. Past
+    ``timeout`` every process of that session (the front end, its workers, anything holding the
+    pipes) writes its Python stacks (faulthandler, on SIGABRT) into the failure message and is
+    killed: a hang says where it waits, and leaves nothing running."""
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ps_cmd = ["ps", "-o", "pid,ppid,stat,etime,args", "-s", str(proc.pid)]
+        ps = subprocess.run(ps_cmd, capture_output=True, text=True)
+        for sig, wait in ((signal.SIGABRT, 2.0), (signal.SIGKILL, 0.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            time.sleep(wait)
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd} ran past {timeout} s; its processes:\n{ps.stdout}stderr:\n{err[-20000:]}", pytrace=False)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -915,7 +939,7 @@ def test_scheduler_exits_when_front_end_dies(tmp_path):
     ],
 )
 def test_bad_flags_exit_with_one_line(flags, message):
-    r = subprocess.run([sys.executable, "-m", "minengine.serve", *flags], capture_output=True, text=True, timeout=60)
+    r = run_cli([sys.executable, "-m", "minengine.serve", *flags], timeout=60)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
@@ -939,10 +963,26 @@ def test_start_up_failures_exit_with_one_line_and_leave_nothing(tmp_path, flags,
     and the allowed range, no traceback, no folder of sockets left in TMPDIR, no process left."""
     cmd = [sys.executable, "-m", "minengine.serve", "--log-level", "warning", *flags]
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    r = run_cli(cmd, timeout=120, env=env)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == code and len(lines) == 1 and message in lines[0], r.stderr
     assert ipc_dirs(tmp_path) == []
+
+
+def test_a_command_past_its_timeout_writes_its_stacks_and_leaves_nothing():
+    """``run_cli``'s timeout: the command and the child that still holds its pipes both write their
+    stacks into the failure and are killed (a hung server start-up once printed nothing)."""
+    script = (
+        "import subprocess, sys, time; "
+        "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(kid.pid, file=sys.stderr, flush=True); time.sleep(60)"
+    )
+    with pytest.raises(pytest.fail.Exception) as info:
+        run_cli([sys.executable, "-c", script], timeout=5)
+    message = str(info.value)
+    assert "ran past 5 s" in message and message.count("Fatal Python error: Aborted") == 2, message
+    kid = int(message.split("stderr:\n", 1)[1].split()[0])
+    assert wait_for(lambda: not alive(kid), 5)
 
 
 def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
@@ -953,7 +993,7 @@ def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
         busy.listen()
         port = busy.getsockname()[1]
         cmd = [sys.executable, "-m", "minengine.serve", "--port", str(port), "--log-level", "info"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
+        r = run_cli(cmd, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert f"error: argument --port: cannot bind 127.0.0.1:{port}: [Errno {errno.EADDRINUSE}]" in lines[0]
@@ -1027,7 +1067,7 @@ def test_a_malformed_config_json_is_named_in_one_line(tmp_path):
     ckpt = build_checkpoint(tmp_path / "m", "qwen3")
     (ckpt / "config.json").write_text('{"vocab_size": 400,}')
     cmd = [sys.executable, "-m", "minengine.serve", "--model", str(ckpt), "--log-level", "warning"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    r = run_cli(cmd, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert f"failed to start: {ckpt / 'config.json'} is not valid JSON: Expecting" in lines[0]
@@ -1041,7 +1081,7 @@ def test_a_missing_model_directory_beside_a_tokenizer_is_named_in_one_line(tmp_p
 
     tok = build_checkpoint(tmp_path / "t", "qwen3")
     cmd = [sys.executable, "-m", "minengine.serve", "--tokenizer", str(tok), "--model", str(tmp_path / "none")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    r = run_cli(cmd, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert f"error: model directory '{tmp_path / 'none'}' does not exist" in lines[0]
@@ -1076,7 +1116,7 @@ def test_help_lists_every_config_field_with_defaults():
 
     from minengine.config import EngineConfig
 
-    r = subprocess.run([sys.executable, "-m", "minengine.serve", "--help"], capture_output=True, text=True, timeout=60)
+    r = run_cli([sys.executable, "-m", "minengine.serve", "--help"], timeout=60)
     text = " ".join(r.stdout.split())
     for f in dataclasses.fields(EngineConfig):
         assert "--" + f.name.replace("_", "-") in text
