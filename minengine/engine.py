@@ -109,9 +109,11 @@ def check_prompt(
     bans (unless ``ignore_eos``)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    bad = next(
-        (t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None
-    )
+    bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int)), None)
+    if bad is not None:
+        kind = type(bad).__name__
+        raise ValueError(f"prompt token id {bad!r} is a {kind}; allowed: Python ints in [0, {vocab_size})")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab_size})")
     bad = next((t for t in params.logit_bias or () if t >= vocab_size), None)
@@ -311,6 +313,13 @@ class Engine:
             req.detok.add(req.output_ids)  # its text so far (``stop_reason`` makes it only at the end)
         if self.delayer is not None and not self.has_unfinished():
             self.delayer.requests_left()  # no pass follows to end a wait it was held in
+
+    def drop_prefix_cache(self) -> None:
+        """Forget every cached prefix, once no request holds one: after a step cut short (Ctrl-C,
+        an error), which may have handed the cache pages whose KV it never wrote."""
+        cache = self.scheduler.cache
+        if cache is not None and not self.scheduler.has_unfinished() and not cache.protected_pages:
+            cache.reset()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+import weakref
 from dataclasses import dataclass, replace
 
 from tqdm import tqdm
@@ -89,6 +90,17 @@ class LLM:
             self.tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
             self._workers = _Workers(self.config, self.tokenizer)
         self._closed = False
+        # ``del llm``, garbage collection or the interpreter's exit without ``shutdown()``: the
+        # workers still get their Shutdown and the IPC folder goes (the zmq context, collected
+        # without it, blocks in ``term``). An engine in this process needs none: it is freed with
+        # the last reference to it (``LLM(...).engine`` keeps it working)
+        self._release = None if self._workers is None else weakref.finalize(self, self._workers.shutdown)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what a generate or chat call without sampling params samples with (the model's
@@ -104,8 +116,13 @@ class LLM:
         """One output per prompt, in input order. Every request is checked before any runs."""
         if self._closed:
             raise RuntimeError("this LLM was shut down; create a new one")
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and _is_id(prompts[0])):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(
+                f"prompts is a {type(prompts).__name__}; allowed: a string, a list of token ids, "
+                "{'prompt': str}, {'prompt_token_ids': [int, ...]}, or a list of these"
+            )
         texts, ids, from_text, salts = [], [], [], []
         for i, p in enumerate(prompts):
             text, p_ids = _prompt(p)
@@ -184,6 +201,8 @@ class LLM:
         model (OpenAI-style ``{"type": "function", "function": {...}}`` dicts; the outputs' text
         has any calls as the model wrote them: ``minengine.server.tool_calls.parse_tool_calls``
         finds them)."""
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs is {chat_template_kwargs!r:.80}; allowed: a dict, or None")
         if tools is not None:  # (as vLLM: chat_template_kwargs may give its own)
             if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
                 raise ValueError(f"tools is {tools!r:.80}; allowed: a list of dicts, or None")
@@ -225,6 +244,9 @@ class LLM:
             for r in reqs:
                 if not r.finished:
                     self.engine.abort(r)
+            # a step cut short after ``Scheduler.advance`` handed the prefix cache pages whose KV
+            # it never wrote (and an abort caches a request's pages up to ``num_computed``)
+            self.engine.drop_prefix_cache()
             raise
         results = []
         for r in reqs:
@@ -242,9 +264,13 @@ class LLM:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-        if self._workers is not None:
-            self._workers.shutdown()
-            self._workers = None
+        if self._release is not None:
+            self._release()  # the workers' shutdown, once
+        self._workers = None
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _prompt(p) -> tuple[str | None, list[int] | None]:
@@ -300,16 +326,19 @@ class _Workers:
             logprobs = output_logprobs(tokens, entries, self.tokenizer)
             return text, tokens, reason, stop_reason, *logprobs, cached, prompt_entries
 
-        async def run_all():
-            return await asyncio.gather(*(one(i, p) for i, p in zip(ids, params, strict=True)))
-
-        everything = self.loop.create_task(run_all())
+        tasks = [self.loop.create_task(one(i, p)) for i, p in zip(ids, params, strict=True)]
+        everything = asyncio.gather(*tasks)
         try:
             return self.loop.run_until_complete(everything)
         except BaseException:  # (Ctrl-C, an error in one request): the others are aborted in the workers
-            everything.cancel()  # each request's generator, cancelled, aborts it (``frontend.generate``)
+            # cancel each request's task, not the gather (done already when one task failed, and
+            # then its cancel() reaches none): each cancelled generator aborts its request
+            for task in tasks:
+                task.cancel()
             with contextlib.suppress(BaseException):
-                self.loop.run_until_complete(everything)
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            with contextlib.suppress(BaseException):  # (read: raised below, not logged as never retrieved)
+                everything.exception()
             raise
 
     def shutdown(self) -> None:
@@ -317,6 +346,8 @@ class _Workers:
             self.workers.client.shutdown()
             self.workers.client.close()
 
-        self.loop.run_until_complete(close())
-        self.workers.stop()
-        self.loop.close()
+        try:
+            self.loop.run_until_complete(close())
+            self.workers.stop()
+        finally:
+            self.loop.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -21,6 +20,10 @@ MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS = 128, 1024
 MAX_CACHE_SALT = 1024  # characters
 # temperatures below this sample greedily, as in vLLM: dividing logits by a smaller one overflows
 GREEDY_TEMPERATURE = 1e-5
+# the sampler divides float32 logits by temperature and repetition_penalty: a value float32 turns into
+# inf (or 0) makes a -inf of allowed_token_ids / bad_words / min_tokens NaN, which argmax and the
+# sampling then pick (token 0)
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,8 @@ class SamplingParams:
             raise ValueError(
                 f"max_tokens is {self.max_tokens!r}; allowed: an integer >= 1, or None (the rest of the context)"
             )
-        if not _number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature is {self.temperature!r}; allowed: a number >= 0")
+        if not _number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature is {self.temperature!r}; allowed: a number in [0, {FLOAT32_MAX:.6g}]")
         if not _number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p is {self.top_p!r}; allowed: a number in (0, 1]")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
@@ -114,8 +117,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _number(value) or not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
                 raise ValueError(f"{name} is {value!r}; allowed: a number in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}]")
-        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty is {self.repetition_penalty!r}; allowed: a finite number > 0")
+        if not _number(self.repetition_penalty) or not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            raise ValueError(
+                f"repetition_penalty is {self.repetition_penalty!r}; allowed: a number in "
+                f"[{FLOAT32_TINY:.6g}, {FLOAT32_MAX:.6g}] (> 0, finite in float32)"
+            )
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens is {self.min_tokens!r}; allowed: an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -811,9 +811,11 @@ def test_tokenizer_files_are_read_as_transformers_reads_them(qwen3_dir, tmp_path
     assert ours.eos_token_id == theirs.eos_token_id is not None
 
 
-def test_an_interrupted_generate_with_data_parallel_workers_aborts_its_requests(monkeypatch):
-    """Ctrl-C in a generate over dp_size 2 workers: the requests still running are aborted in the
-    workers and nothing is left on the LLM's loop, so the next call runs at once and only itself."""
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_generate_with_data_parallel_workers_aborts_its_requests(monkeypatch, error):
+    """Ctrl-C, or an error in one request's task, in a generate over dp_size 2 workers: the requests
+    still running are aborted in the workers and nothing is left on the LLM's loop, so the next call
+    runs at once and only itself (an error ended the gather, whose cancel then reached no task)."""
     import asyncio
 
     import minengine.llm as offline
@@ -828,8 +830,8 @@ def test_an_interrupted_generate_with_data_parallel_workers_aborts_its_requests(
         def __exit__(self, *exc):
             return False
 
-        def update(self, n):  # the first request to end: Ctrl-C
-            raise KeyboardInterrupt
+        def update(self, n):  # the first request to end
+            raise error("stop")
 
     llm = LLM("tiny", dp_size=2)
     try:
@@ -837,9 +839,10 @@ def test_an_interrupted_generate_with_data_parallel_workers_aborts_its_requests(
         one = SamplingParams(temperature=0, max_tokens=1)
         long = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
         running = set(asyncio.all_tasks(llm._workers.loop))  # (the client's dispatcher)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(error):
             llm.generate(["x", "y y", "z z z", "w"], [one, long, long, long], use_tqdm=False)
         assert not [t for t in asyncio.all_tasks(llm._workers.loop) if not t.done() and t not in running]
+        assert not llm._workers.workers.client.queues
         monkeypatch.undo()
         start = time.monotonic()
         out = llm.generate(["hi"], one, use_tqdm=False)[0]
@@ -873,6 +876,106 @@ def test_an_interrupted_generate_leaves_nothing_running(monkeypatch, error):
     acc = llm.engine.scheduler.accounting()
     assert acc["held_by_requests"] == 0
     llm.shutdown()
+
+
+def test_an_interrupted_forward_leaves_no_unwritten_kv_in_the_prefix_cache(monkeypatch):
+    """Ctrl-C inside a prefill's forward: the scheduler had already handed the prefix cache the
+    step's pages (at launch, for overlap), whose KV was never written. The next generate of the
+    same prompts must not read them: it matches a fresh engine's."""
+    prompts = [f"Document {i}: " + "pages of keys and values. " * 6 for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+    fresh = LLM("tiny", page_size=4)
+    want = [(o.token_ids, o.outputs[0].cumulative_logprob) for o in fresh.generate(prompts, params, use_tqdm=False)]
+    fresh.shutdown()
+    llm = LLM("tiny", page_size=4)
+    try:
+        launch = llm.engine.runner.launch
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(llm.engine.runner, "launch", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params, use_tqdm=False)
+        monkeypatch.setattr(llm.engine.runner, "launch", launch)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [(o.token_ids, o.outputs[0].cumulative_logprob) for o in got] == want
+        assert llm.engine.scheduler.accounting()["held_by_requests"] == 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        (None, "prompts is a NoneType; allowed: a string, a list of token ids"),
+        (7, "prompts is a int; allowed"),
+        (torch.tensor([1, 2]), "prompts is a Tensor; allowed"),
+        ((x for x in ["a"]), "prompts is a generator; allowed"),
+        ([[1.0, 2.0]], "prompt 0: prompt token id 1.0 is a float; allowed: Python ints in [0, "),
+        ([[torch.tensor(3)]], "prompt 0: prompt token id tensor(3) is a Tensor; allowed: Python ints in [0, "),
+    ],
+)
+def test_prompts_of_a_wrong_type_are_named(llm, prompts, message):
+    with pytest.raises(ValueError) as exc:
+        llm.generate(prompts, use_tqdm=False)
+    assert str(exc.value).startswith(message)
+    assert not llm.engine.has_unfinished()
+
+
+LEFT_WITHOUT_SHUTDOWN = """
+import gc, sys
+from minengine import LLM, SamplingParams
+
+kept = []
+
+def main():
+    llm = LLM("tiny", dp_size=2)
+    w = llm._workers.workers
+    print(w.ipc_dir, *[p.pid for p in w.processes], flush=True)
+    assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].token_ids
+    if sys.argv[1] == "del":
+        del llm
+        gc.collect()
+        print("collected", flush=True)
+    else:
+        kept.append(llm)  # alive until the interpreter exits
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.parametrize("how", ["del", "exit"])
+def test_an_llm_left_without_shutdown_stops_its_workers(tmp_path, how):
+    """``del`` (the garbage collector) or the interpreter's exit, of an LLM with dp_size 2 that was
+    never shut down: the workers exit and the folder of sockets goes (the zmq context, collected
+    alone, blocked in ``term``; at exit the folder stayed, and asyncio logged a pending task)."""
+    import os
+    import sys
+
+    from test_server import alive, run_cli, wait_for
+
+    script = tmp_path / "left.py"
+    script.write_text(LEFT_WITHOUT_SHUTDOWN)
+    r = run_cli([sys.executable, str(script), how], timeout=120)
+    assert r.returncode == 0, r.stderr
+    folder, *pids = r.stdout.split("\n")[0].split()
+    assert ("collected" in r.stdout) == (how == "del")
+    assert not os.path.exists(folder) and wait_for(lambda: not any(alive(int(p)) for p in pids), 10)
+    assert "Task was destroyed" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_chat_template_kwargs_that_are_no_dict_are_named(llm):
+    with pytest.raises(ValueError, match="chat_template_kwargs is 'abc'; allowed: a dict, or None"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs="abc", use_tqdm=False)
+
+
+def test_an_llm_as_a_context_manager_shuts_down():
+    with LLM("tiny") as llm:
+        assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].token_ids
+    with pytest.raises(RuntimeError, match="this LLM was shut down"):
+        llm.generate("x", use_tqdm=False)
 
 
 def test_generation_config_sampling_fields_are_the_defaults(qwen3_dir, tmp_path):

@@ -17,6 +17,7 @@ from minengine.detokenizer import IncrementalDetokenizer
 from minengine.models.tiny import tiny_tokenizer
 from minengine.request import Request
 from minengine.sampler import Sampler
+from minengine.sampling_params import FLOAT32_TINY
 
 
 def adjusted(
@@ -313,13 +314,26 @@ def test_counts_start_from_the_output_a_decode_server_was_handed():
     assert req.output_counts.tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
 
 
+def test_logits_that_overflow_still_sample_an_allowed_token():
+    """The smallest repetition penalty allowed sends seen tokens' logits to +inf: sampling draws one
+    of them, not token 0 (a NaN softmax did; 0 is not allowed here and has the largest raw logit)."""
+    p = SamplingParams(temperature=1.0, seed=3, repetition_penalty=FLOAT32_TINY, allowed_token_ids=[1, 2])
+    req = request([1, 2], [], p)
+    logits = torch.tensor([[50.0, 10.0, 10.0, 0.0]])
+    tokens = Sampler(torch.device("cpu"), seed=0)(logits, [req])
+    assert tokens.tolist()[0] in (1, 2)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (dict(presence_penalty=2.5), "presence_penalty is 2.5; allowed: a number in [-2.0, 2.0]"),
         (dict(frequency_penalty=float("nan")), "frequency_penalty is nan"),
-        (dict(repetition_penalty=0.0), "repetition_penalty is 0.0; allowed: a finite number > 0"),
-        (dict(repetition_penalty=float("inf")), "repetition_penalty is inf; allowed: a finite number > 0"),
+        (dict(repetition_penalty=0.0), "repetition_penalty is 0.0; allowed: a number in [1.17549e-38, 3.40282e+38]"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty is inf; allowed: a number in [1.17549e-38"),
+        (dict(repetition_penalty=1e-50), "repetition_penalty is 1e-50; allowed: a number in [1.17549e-38"),
+        (dict(temperature=float("inf")), "temperature is inf; allowed: a number in [0, 3.40282e+38]"),
+        (dict(temperature=1e39), "temperature is 1e+39; allowed: a number in [0, 3.40282e+38]"),
         (dict(min_tokens=-1), "min_tokens is -1; allowed: an integer >= 0"),
         (dict(min_tokens=17), "min_tokens is 17; allowed: an integer in [0, max_tokens] = [0, 16]"),
         (dict(min_tokens=True), "min_tokens is True"),

@@ -72,10 +72,12 @@ def run_cli(cmd: list[str], timeout: float, env: dict | None = None) -> subproce
     except subprocess.TimeoutExpired:
         ps_cmd = ["ps", "-o", "pid,ppid,stat,etime,args", "-s", str(proc.pid)]
         ps = subprocess.run(ps_cmd, capture_output=True, text=True)
-        for sig, wait in ((signal.SIGABRT, 2.0), (signal.SIGKILL, 0.0)):
+        for line in ps.stdout.splitlines()[1:]:  # one at a time: their dumps share the pipe
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            time.sleep(wait)
+                os.kill(int(line.split()[0]), signal.SIGABRT)
+            time.sleep(0.5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         pytest.fail(f"{cmd} ran past {timeout} s; its processes:\n{ps.stdout}stderr:\n{err[-20000:]}", pytrace=False)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -1109,6 +1111,31 @@ def test_stopping_workers_that_read_no_shutdown(tmp_path, monkeypatch, how):
         workers.stop(grace=0)
     assert time.monotonic() - t0 < 10
     assert not any(p.is_alive() for p in workers.processes) and ipc_dirs(tmp_path) == []
+
+
+def test_a_worker_that_fails_to_start_leaves_nothing(tmp_path, monkeypatch):
+    """The second of two workers fails to start (a script without the ``__main__`` guard, re-run
+    by spawn, gets this): the first is stopped, and the client's sockets and the folder go."""
+    import multiprocessing.context
+
+    from minengine.config import EngineConfig
+    from minengine.server.metrics import Metrics
+    from minengine.server.workers import Workers
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    started, start = [], multiprocessing.context.SpawnProcess.start
+
+    def second_fails(self):
+        if started:
+            raise RuntimeError("no second worker")
+        start(self)
+        started.append(self)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", second_fails)
+    with pytest.raises(RuntimeError, match="no second worker"):
+        Workers(EngineConfig(model="tiny", page_size=4, dp_size=2), Metrics())
+    assert len(started) == 1 and not started[0].is_alive() and ipc_dirs(tmp_path) == []
 
 
 def test_help_lists_every_config_field_with_defaults():

@@ -27,23 +27,30 @@ class Workers:
 
     def __init__(self, config: EngineConfig, metrics: Metrics):
         self.ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
-        requests = [f"ipc://{self.ipc_dir}/requests-{i}" for i in range(config.dp_size)]
-        outputs = f"ipc://{self.ipc_dir}/outputs"
-        self.client = SchedulerClient(requests, outputs, metrics, config.load_balance_method)
-        dist_addr = f"tcp://127.0.0.1:{free_port()}" if config.dp_size > 1 else None
-        spawn = multiprocessing.get_context("spawn")
-        self.processes = [
-            spawn.Process(
-                target=run_scheduler,
-                args=(config, requests[i], outputs, os.getpid(), i, dist_addr),
-                daemon=True,
-                name=f"scheduler-{i}",
-            )
-            for i in range(config.dp_size)
-        ]
+        self.processes: list = []
         self._hurry = False  # set by ``hurry``
-        for p in self.processes:
-            p.start()
+        self.client = None
+        try:
+            requests = [f"ipc://{self.ipc_dir}/requests-{i}" for i in range(config.dp_size)]
+            outputs = f"ipc://{self.ipc_dir}/outputs"
+            self.client = SchedulerClient(requests, outputs, metrics, config.load_balance_method)
+            dist_addr = f"tcp://127.0.0.1:{free_port()}" if config.dp_size > 1 else None
+            spawn = multiprocessing.get_context("spawn")
+            for i in range(config.dp_size):
+                p = spawn.Process(
+                    target=run_scheduler,
+                    args=(config, requests[i], outputs, os.getpid(), i, dist_addr),
+                    daemon=True,
+                    name=f"scheduler-{i}",
+                )
+                p.start()  # (raises in a spawned child that re-runs an unguarded script, ...)
+                self.processes.append(p)
+        except BaseException:  # the workers started so far, the sockets and the folder go
+            self._hurry = True
+            if self.client is not None:
+                self.client.close()
+            self.stop()
+            raise
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)
