@@ -401,6 +401,42 @@ def test_transfer_failure_fails_both_sides(pair, monkeypatch):
     pd.run_until(pd.idle)
 
 
+def test_a_stuck_write_holds_its_room_until_it_ends(pair, reference):
+    """A KV write with no progress for the timeout fails its room, but the room and its pages stay
+    held on both sides until the write ends: NIXL's release of an active write returns without
+    stopping it (UCX cannot cancel an RMA write), so a write given up on could land later, in pages
+    the decode side had handed to another request and cached. The mover here holds the writes
+    back and accepts their release, as UCX does."""
+    pd = pair(timeout=0.5)
+    mover = pd.p.xfer.mover
+    write, state, release = mover.write, mover.state, mover.release
+    held, landed = {}, {}  # a handle held back -> its arguments; let go -> the real handle
+
+    def held_write(*args):
+        held[handle := object()] = args
+        return handle
+
+    mover.write = held_write
+    mover.state = lambda h: "PROC" if h in held else state(landed.get(h, h))
+    mover.release = lambda h: None if h in held else release(landed.pop(h, h))
+    pd.submit("a", PROMPTS[4])
+    deadline = time.monotonic() + 2.0  # four timeouts
+    while time.monotonic() < deadline:
+        pd.step()
+        time.sleep(0.001)
+    assert held and "d:a" not in pd.out and pd.d.engine.stats()["kv_pages_in_use"] > 0
+    mover.write = write
+    for handle, args in list(held.items()):  # the writes go on and end
+        landed[handle] = write(*args)
+        del held[handle]
+    pd.run_until(pd.done("d:a", "p:a"))
+    assert "made no progress" in pd.out["d:a"]["error"] and "made no progress" in pd.out["p:a"]["error"]
+    pd.run_until(pd.idle)
+    pd.submit("b", PROMPTS[3])
+    pd.run_until(pd.done("d:b"))
+    assert pd.out["d:b"]["tokens"] == reference([PROMPTS[3]])[0]
+
+
 @pytest.mark.parametrize("when", ["before_prefill", "mid_prefill", "after_prefill"])
 def test_decode_abort_stops_the_prefill_side(pair, when):
     pd = pair()

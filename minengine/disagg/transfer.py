@@ -354,7 +354,7 @@ class KVSender:
         self.prompt_digest = ""  # the prompt's (``prompt_digest``): the decode side's must be the same
         self.grammar_start = ""  # where its grammar starts (``grammar_start``): the decode side's must be the same
         self.sent = 0  # pages sent so far (after the decode side's prefix)
-        self.writes: list = []  # NIXL handles in flight (or stuck and not cancellable yet)
+        self.writes: list = []  # NIXL handles in flight, stuck ones too (held until they end)
         self.num_writes = 0
         self.bytes = 0
         self.first_token: int | None = None
@@ -436,8 +436,10 @@ class KVSender:
         self.writes = still
         if still and now - self.last_progress > self.mgr.timeout:
             self.fail(f"a KV write made no progress for {self.mgr.timeout:g} s")
-            # cancel what NIXL lets us cancel; a write it cannot cancel stays, and so does our KV
-            self.writes = [h for h in still if not _release(mover, h)]
+            # no more writes, but the stuck ones are not released: NIXL's release of an active write
+            # returns success without stopping it (UCX cannot cancel an RMA write), so only its
+            # completion (DONE or an error) says that nothing can land any more. Until then this
+            # room's pages stay held on both sides (the decode side hears "accepted" if it asks).
             self.last_progress = now
         if self.error is not None:
             if not self.writes and self.state is not KVPoll.Failed:  # nothing can land any more
