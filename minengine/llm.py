@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 import weakref
 from dataclasses import dataclass, replace
@@ -269,6 +270,14 @@ class LLM:
         self._workers = None
 
 
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _is_id(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -296,6 +305,13 @@ class _Workers:
         from minengine.server.metrics import Metrics
         from minengine.server.workers import Workers
 
+        if _loop_running():
+            raise RuntimeError(
+                f"dp_size is {config.dp_size}: the offline LLM then drives its workers on an event loop of its own, "
+                "which cannot run inside a running one (async code, a notebook cell); allowed there: dp_size 1, "
+                "or the server (python -m minengine.serve)"
+            )
+        self.pid = os.getpid()  # (a forked child that exits runs the finalizer too: not its workers)
         self.tokenizer = tokenizer
         self.metrics = Metrics()
         self.loop = asyncio.new_event_loop()
@@ -342,12 +358,23 @@ class _Workers:
             raise
 
     def shutdown(self) -> None:
-        async def close() -> None:
+        if os.getpid() != self.pid:
+            return
+
+        def close() -> None:
             self.workers.client.shutdown()
             self.workers.client.close()
 
+        async def close_in_loop() -> None:  # (where the client's sockets are closed as a rule)
+            close()
+
         try:
-            self.loop.run_until_complete(close())
-            self.workers.stop()
+            if _loop_running():  # another event loop runs in this thread (a finalizer inside async code)
+                close()
+            else:
+                self.loop.run_until_complete(close_in_loop())
         finally:
-            self.loop.close()
+            try:
+                self.workers.stop()
+            finally:
+                self.loop.close()

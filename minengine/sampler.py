@@ -181,7 +181,8 @@ class Sampler:
                 none = torch.zeros(vocab, dtype=torch.bool, device=device)
             prompt = torch.stack([none if req.prompt_seen is None else req.prompt_seen for req in reqs])
             penalty = torch.where(seen | prompt, column([req.params.repetition_penalty for req in reqs], device), 1.0)
-            x = torch.where(x > 0, x / penalty, x * penalty)
+            big = torch.finfo(x.dtype).max  # a finite logit stays finite: -inf is a ban (a -inf row drew token 0)
+            x = torch.where(x.isfinite(), torch.where(x > 0, x / penalty, x * penalty).clamp(-big, big), x)
         if any(req.params.frequency_penalty != 0 for req in reqs):
             x = x - column([req.params.frequency_penalty for req in reqs], device) * counts
         if any(req.params.presence_penalty != 0 for req in reqs):

@@ -401,13 +401,15 @@ def test_transfer_failure_fails_both_sides(pair, monkeypatch):
     pd.run_until(pd.idle)
 
 
-def test_a_stuck_write_holds_its_room_until_it_ends(pair, reference):
+@pytest.mark.parametrize("abort", [False, True])
+def test_a_stuck_write_holds_its_room_until_it_ends(pair, reference, abort):
     """A KV write with no progress for the timeout fails its room, but the room and its pages stay
-    held on both sides until the write ends: NIXL's release of an active write returns without
+    held on both sides until the write ends, also when the decode side aborts meanwhile (it gave
+    up after a timeout, alive peer or not): NIXL's release of an active write returns without
     stopping it (UCX cannot cancel an RMA write), so a write given up on could land later, in pages
     the decode side had handed to another request and cached. The mover here holds the writes
     back and accepts their release, as UCX does."""
-    pd = pair(timeout=0.5)
+    pd = pair(timeout=1.0)
     mover = pd.p.xfer.mover
     write, state, release = mover.write, mover.state, mover.release
     held, landed = {}, {}  # a handle held back -> its arguments; let go -> the real handle
@@ -416,21 +418,29 @@ def test_a_stuck_write_holds_its_room_until_it_ends(pair, reference):
         held[handle := object()] = args
         return handle
 
+    def hold(seconds):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            pd.step()
+            time.sleep(0.001)
+
     mover.write = held_write
     mover.state = lambda h: "PROC" if h in held else state(landed.get(h, h))
     mover.release = lambda h: None if h in held else release(landed.pop(h, h))
     pd.submit("a", PROMPTS[4])
-    deadline = time.monotonic() + 2.0  # four timeouts
-    while time.monotonic() < deadline:
-        pd.step()
-        time.sleep(0.001)
+    hold(3.0)  # three timeouts
     assert held and "d:a" not in pd.out and pd.d.engine.stats()["kv_pages_in_use"] > 0
+    if abort:
+        pd._record("d", pd.d.abort("a"))
+        hold(3.0)
+        assert pd.out["d:a"]["reason"] == "abort" and pd.d.engine.stats()["kv_pages_in_use"] > 0
     mover.write = write
     for handle, args in list(held.items()):  # the writes go on and end
         landed[handle] = write(*args)
         del held[handle]
     pd.run_until(pd.done("d:a", "p:a"))
-    assert "made no progress" in pd.out["d:a"]["error"] and "made no progress" in pd.out["p:a"]["error"]
+    assert "made no progress" in pd.out["p:a"]["error"]
+    assert abort or "made no progress" in pd.out["d:a"]["error"]
     pd.run_until(pd.idle)
     pd.submit("b", PROMPTS[3])
     pd.run_until(pd.done("d:b"))

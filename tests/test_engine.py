@@ -971,6 +971,28 @@ def test_chat_template_kwargs_that_are_no_dict_are_named(llm):
         llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs="abc", use_tqdm=False)
 
 
+def test_an_llm_with_workers_inside_async_code():
+    """An LLM with dp_size 2 runs its own event loop: made inside a running one, a clear error
+    before any worker starts; shut down inside one (a finalizer in async code), its workers and
+    folder of sockets still go (the loop's RuntimeError skipped the stop)."""
+    import asyncio
+    import os
+
+    async def make():
+        return LLM("tiny", dp_size=2)
+
+    with pytest.raises(RuntimeError, match="dp_size is 2: the offline LLM then drives its workers on an event loop"):
+        asyncio.run(make())
+    llm = LLM("tiny", dp_size=2)
+    processes, folder = llm._workers.workers.processes, llm._workers.workers.ipc_dir
+
+    async def stop():
+        llm.shutdown()
+
+    asyncio.run(stop())
+    assert not any(p.is_alive() for p in processes) and not os.path.exists(folder)
+
+
 def test_an_llm_as_a_context_manager_shuts_down():
     with LLM("tiny") as llm:
         assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].token_ids

@@ -61,8 +61,9 @@ def start_server(*flags: str, tmpdir: Path | None = None) -> tuple[subprocess.Po
 def run_cli(cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own. Past
     ``timeout`` every process of that session (the front end, its workers, anything holding the
-    pipes) writes its Python stacks (faulthandler, on SIGABRT) into the failure message and is
-    killed: a hang says where it waits, and leaves nothing running."""
+    pipes) writes its Python stacks (faulthandler, on SIGABRT) into the failure, and all are
+    killed, as on any other way out (Ctrl-C): a hang says where it waits, and leaves nothing
+    running."""
     env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
@@ -72,14 +73,19 @@ def run_cli(cmd: list[str], timeout: float, env: dict | None = None) -> subproce
     except subprocess.TimeoutExpired:
         ps_cmd = ["ps", "-o", "pid,ppid,stat,etime,args", "-s", str(proc.pid)]
         ps = subprocess.run(ps_cmd, capture_output=True, text=True)
-        for line in ps.stdout.splitlines()[1:]:  # one at a time: their dumps share the pipe
+        # one at a time, as their dumps share the pipe; the newest first: a worker whose parent
+        # went first would be ended by its parent-death signal before it wrote anything
+        for line in reversed(ps.stdout.splitlines()[1:]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(line.split()[0]), signal.SIGABRT)
             time.sleep(0.5)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=30)
         pytest.fail(f"{cmd} ran past {timeout} s; its processes:\n{ps.stdout}stderr:\n{err[-20000:]}", pytrace=False)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (what is left of the session: none after a normal exit)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -777,7 +777,8 @@ class KVReceiver:
 
     def abort(self, why: str = "aborted") -> None:
         """Stop the transfer; ``poll`` turns ``Failed`` once no write into our pages can land: the
-        prefill side confirms, or stays silent for one more timeout."""
+        prefill side confirms, or falls silent for a timeout (while it answers pings, it is asked
+        again every timeout: a write of the room that is stuck there can still land)."""
         if not self.outstanding or self.aborting:
             return
         self.aborting = True
@@ -913,8 +914,12 @@ class DecodeTransfer:
             if not r.outstanding:
                 continue
             if r.aborting:
-                if r.give_up_at is not None and now > r.give_up_at:  # the peer is gone: nothing can land
-                    r.state = KVPoll.Failed
+                if r.give_up_at is not None and now > r.give_up_at:
+                    if now - self.conns[r.addr].last_heard > self.timeout:  # the peer is gone: nothing can land
+                        r.state = KVPoll.Failed
+                    else:  # alive (its pongs): it answers once the room's writes end, a stuck one too
+                        r.give_up_at = now + self.timeout
+                        self._send(r.addr, ("abort", r.room))  # (in case the first was lost)
             elif r.done_at is not None and now - r.done_at > self.timeout:  # its writes are over: safe
                 r._final(f"{r.writes_expected - r.writes_seen} KV write notifications never arrived")
             elif now - self.conns[r.addr].last_heard > self.timeout:
