@@ -315,7 +315,11 @@ class _Workers:
         self.tokenizer = tokenizer
         self.metrics = Metrics()
         self.loop = asyncio.new_event_loop()
-        self.workers = Workers(config, self.metrics)
+        try:
+            self.workers = Workers(config, self.metrics)  # (on an error it cleans up after itself)
+        except BaseException:
+            self.loop.close()
+            raise
         try:
             self.ready = self.loop.run_until_complete(self.workers.start())
         except BaseException:

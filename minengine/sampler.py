@@ -309,10 +309,9 @@ def column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Softmax(logits / temperature) with top-k, top-p and min-p masks applied (not renormalised).
-    Which filters run is decided on the host values of ``params``. A logit that overflowed to +inf
-    (a seen token divided by a repetition penalty near float32's smallest, a small temperature)
-    counts as float32's largest: softmax over two infinities is NaN everywhere, and the race then
-    drew token 0, banned or not."""
+    Which filters run is decided on the host values of ``params``. A logit that overflows to +inf
+    (a large one over a small temperature, the model's own) counts as float32's largest: softmax
+    over two infinities is NaN everywhere, and the race then drew token 0, banned or not."""
     device, vocab = logits.device, logits.shape[-1]
     logits = (logits / column([p.temperature for p in params], device)).clamp_(max=torch.finfo(logits.dtype).max)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
