@@ -23,7 +23,13 @@ import torch
 
 from minengine.memory.kv_pool import to_device
 from minengine.request import Request
+from minengine.sampling_params import FLOAT32_MAX, GREEDY_TEMPERATURE
 from minengine.structured import apply_grammars
+
+# A sampled row's temperature is at least GREEDY_TEMPERATURE: penalised logits within this bound
+# stay finite once divided by it. A +inf logit made the softmax NaN everywhere and the race drew
+# token 0; a row of allowed tokens all at -inf drew it too.
+PENALISED_LOGIT_BOUND = FLOAT32_MAX * GREEDY_TEMPERATURE / 2
 
 
 class Sampler:
@@ -181,8 +187,8 @@ class Sampler:
                 none = torch.zeros(vocab, dtype=torch.bool, device=device)
             prompt = torch.stack([none if req.prompt_seen is None else req.prompt_seen for req in reqs])
             penalty = torch.where(seen | prompt, column([req.params.repetition_penalty for req in reqs], device), 1.0)
-            big = torch.finfo(x.dtype).max  # a finite logit stays finite: -inf is a ban (a -inf row drew token 0)
-            x = torch.where(x.isfinite(), torch.where(x > 0, x / penalty, x * penalty).clamp(-big, big), x)
+            bound = PENALISED_LOGIT_BOUND  # (a masked -inf stays: it is a ban)
+            x = torch.where(x.isfinite(), torch.where(x > 0, x / penalty, x * penalty).clamp(-bound, bound), x)
         if any(req.params.frequency_penalty != 0 for req in reqs):
             x = x - column([req.params.frequency_penalty for req in reqs], device) * counts
         if any(req.params.presence_penalty != 0 for req in reqs):
@@ -309,11 +315,9 @@ def column(values: list[float], device: torch.device) -> torch.Tensor:
 
 def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Softmax(logits / temperature) with top-k, top-p and min-p masks applied (not renormalised).
-    Which filters run is decided on the host values of ``params``. A logit that overflows to +inf
-    (a large one over a small temperature, the model's own) counts as float32's largest: softmax
-    over two infinities is NaN everywhere, and the race then drew token 0, banned or not."""
+    Which filters run is decided on the host values of ``params``."""
     device, vocab = logits.device, logits.shape[-1]
-    logits = (logits / column([p.temperature for p in params], device)).clamp_(max=torch.finfo(logits.dtype).max)
+    logits = logits / column([p.temperature for p in params], device)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_k) < vocab:
         k = to_device(top_k, torch.int64, device)

@@ -17,7 +17,7 @@ from minengine.detokenizer import IncrementalDetokenizer
 from minengine.models.tiny import tiny_tokenizer
 from minengine.request import Request
 from minengine.sampler import Sampler
-from minengine.sampling_params import FLOAT32_MAX, FLOAT32_TINY
+from minengine.sampling_params import FLOAT32_MAX, FLOAT32_TINY, GREEDY_TEMPERATURE
 
 
 def adjusted(
@@ -314,13 +314,13 @@ def test_counts_start_from_the_output_a_decode_server_was_handed():
     assert req.output_counts.tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 2 * GREEDY_TEMPERATURE])
 @pytest.mark.parametrize(("penalty", "allowed_logit"), [(FLOAT32_TINY, 10.0), (FLOAT32_MAX, -10.0)])
 def test_logits_that_overflow_still_sample_an_allowed_token(temperature, penalty, allowed_logit):
     """The extreme repetition penalties allowed send seen tokens' logits past float32 (+inf with
-    the smallest, -inf with the largest): they stay finite, so greedy and sampled draws take an
-    allowed token, not token 0 (a NaN softmax or an all -inf row did; 0 is not allowed here and
-    has the largest raw logit)."""
+    the smallest, -inf with the largest): they stay finite, also over the smallest temperature
+    that samples, so greedy and sampled draws take an allowed token, not token 0 (a NaN softmax or
+    an all -inf row did; 0 is not allowed here and has the largest raw logit)."""
     p = SamplingParams(temperature=temperature, seed=3, repetition_penalty=penalty, allowed_token_ids=[1, 2])
     req = request([1, 2], [], p)
     logits = torch.tensor([[50.0, allowed_logit, allowed_logit, 0.0]])
