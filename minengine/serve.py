@@ -242,6 +242,8 @@ def _bind_error(prog: str, host: str, port: int, exc: OSError) -> str:
 
 
 def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
+    import zmq
+
     from minengine.models import load_tokenizer, sampling_defaults
     from minengine.server.api import ServerState, build_app
     from minengine.server.metrics import Metrics
@@ -267,7 +269,13 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     metrics = Metrics()
-    workers = Workers(config, metrics)  # the schedulers load the model; the port opens once they are ready
+    try:
+        workers = Workers(config, metrics)  # the schedulers load the model; the port opens once they are ready
+    except (OSError, ValueError, zmq.ZMQError) as exc:  # no folder for its sockets, a process that cannot start
+        for sock in socks:
+            sock.close()
+        print(f"{prog}: error: cannot start the scheduler workers: {exc}", file=sys.stderr)
+        return 1
     name = args.served_model_name or config.model
     if args.chat_template is not None:
         tokenizer.chat_template = args.chat_template

@@ -401,15 +401,21 @@ def test_transfer_failure_fails_both_sides(pair, monkeypatch):
     pd.run_until(pd.idle)
 
 
-@pytest.mark.parametrize("abort", [False, True])
-def test_a_stuck_write_holds_its_room_until_it_ends(pair, reference, abort):
-    """A KV write with no progress for the timeout fails its room, but the room and its pages stay
-    held on both sides until the write ends, also when the decode side aborts meanwhile (it gave
-    up after a timeout, alive peer or not): NIXL's release of an active write returns without
-    stopping it (UCX cannot cancel an RMA write), so a write given up on could land later, in pages
-    the decode side had handed to another request and cached. The mover here holds the writes
-    back and accepts their release, as UCX does."""
+@pytest.mark.parametrize("how", ["failing", "failing lost", "abort"])
+def test_a_stuck_write_holds_its_room_until_it_ends(pair, reference, how):
+    """A KV write with no progress for the timeout fails its request on both servers at once, but
+    the room and its pages stay held on both sides until the write ends, also when the decode side
+    aborted first: NIXL's release of an active write returns without stopping it (UCX cannot
+    cancel an RMA write), so a write given up on could land later, in pages the decode side had
+    handed to another request and cached. The mover here holds the writes back and accepts their
+    release, as UCX does. A lost "failing" message is repeated when the decode side asks."""
     pd = pair(timeout=1.0)
+    abort = how == "abort"
+    if how == "failing lost":  # (a ROUTER drops what it sends to a peer that is reconnecting)
+        send, dropped = pd.p.xfer.send, []
+        pd.p.xfer.send = lambda peer, msg: (
+            dropped.append(msg) if msg[0] == "failing" and not dropped else send(peer, msg)
+        )
     mover = pd.p.xfer.mover
     write, state, release = mover.write, mover.state, mover.release
     held, landed = {}, {}  # a handle held back -> its arguments; let go -> the real handle
@@ -424,23 +430,28 @@ def test_a_stuck_write_holds_its_room_until_it_ends(pair, reference, abort):
             pd.step()
             time.sleep(0.001)
 
+    def pages_in_use():
+        return pd.p.engine.stats()["kv_pages_in_use"], pd.d.engine.stats()["kv_pages_in_use"]
+
     mover.write = held_write
     mover.state = lambda h: "PROC" if h in held else state(landed.get(h, h))
     mover.release = lambda h: None if h in held else release(landed.pop(h, h))
     pd.submit("a", PROMPTS[4])
-    hold(3.0)  # three timeouts
-    assert held and "d:a" not in pd.out and pd.d.engine.stats()["kv_pages_in_use"] > 0
+    pd.run_until(lambda: held)
     if abort:
         pd._record("d", pd.d.abort("a"))
-        hold(3.0)
-        assert pd.out["d:a"]["reason"] == "abort" and pd.d.engine.stats()["kv_pages_in_use"] > 0
+        assert pd.out["d:a"]["reason"] == "abort" and pd.out["d:a"]["error"] is None
+    else:  # both clients hear of the failure once the write made no progress for the timeout
+        pd.run_until(pd.done("d:a", "p:a"))
+        assert "made no progress" in pd.out["p:a"]["error"] and "made no progress" in pd.out["d:a"]["error"]
+        assert how == "failing" or len(dropped) == 1
+    hold(3.0)  # three timeouts more
+    assert "p:a" in pd.out and all(pages_in_use()), pages_in_use()
+    assert abort or "made no progress" in pd.out["p:a"]["error"]
     mover.write = write
     for handle, args in list(held.items()):  # the writes go on and end
         landed[handle] = write(*args)
         del held[handle]
-    pd.run_until(pd.done("d:a", "p:a"))
-    assert "made no progress" in pd.out["p:a"]["error"]
-    assert abort or "made no progress" in pd.out["d:a"]["error"]
     pd.run_until(pd.idle)
     pd.submit("b", PROMPTS[3])
     pd.run_until(pd.done("d:b"))

@@ -993,6 +993,26 @@ def test_an_llm_with_workers_inside_async_code():
     assert not any(p.is_alive() for p in processes) and not os.path.exists(folder)
 
 
+def test_an_llm_whose_worker_died_shuts_down_at_once():
+    """A worker of an LLM(dp_size=2) is killed: generate fails naming it, and shutdown ends the
+    other at once (it heard no Shutdown; shutdown waited its 5 s grace for nothing)."""
+    import os
+    import signal
+
+    from minengine.server.frontend import SchedulerDied
+
+    llm = LLM("tiny", dp_size=2)
+    processes, folder = llm._workers.workers.processes, llm._workers.workers.ipc_dir
+    os.kill(processes[1].pid, signal.SIGKILL)
+    processes[1].join(10)
+    with pytest.raises(SchedulerDied, match="scheduler process"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 3
+    assert not any(p.is_alive() for p in processes) and not os.path.exists(folder)
+
+
 def test_an_llm_as_a_context_manager_shuts_down():
     with LLM("tiny") as llm:
         assert llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)[0].token_ids

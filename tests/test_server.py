@@ -1144,6 +1144,80 @@ def test_a_worker_that_fails_to_start_leaves_nothing(tmp_path, monkeypatch):
     assert len(started) == 1 and not started[0].is_alive() and ipc_dirs(tmp_path) == []
 
 
+def test_a_temporary_folder_too_long_for_socket_paths_is_passed_over(tmp_path):
+    """A TMPDIR too long for a socket path (107 characters on Linux): the server puts its sockets
+    in /tmp, as Python's multiprocessing does, serves, and leaves nothing there when it stops."""
+    long_dir = tmp_path / ("x" * 100)
+    long_dir.mkdir()
+    before = set(ipc_dirs(Path("/tmp")))
+    proc, url = start_server(tmpdir=long_dir)
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert ipc_dirs(long_dir) == [] and len(set(ipc_dirs(Path("/tmp"))) - before) >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert set(ipc_dirs(Path("/tmp"))) <= before
+
+
+def test_the_folder_of_sockets_fits_the_system_limit_or_is_an_error(tmp_path, monkeypatch):
+    import zmq
+
+    from minengine.server.workers import ipc_folder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = ipc_folder(dp_size=2)
+    assert os.path.dirname(folder) == str(tmp_path)
+    os.rmdir(folder)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / ("x" * 100)))
+    folder = ipc_folder(dp_size=1000)
+    assert os.path.dirname(folder) == "/tmp" and len(f"{folder}/requests-999") <= zmq.IPC_PATH_MAX_LEN
+    os.rmdir(folder)
+    monkeypatch.setattr(zmq, "IPC_PATH_MAX_LEN", 30)
+    with pytest.raises(ValueError, match=r"is 1\d\d characters long, and a socket path may have at most 30"):
+        ipc_folder(dp_size=1)
+
+
+def test_a_client_whose_sockets_cannot_bind_closes_its_context(tmp_path, monkeypatch):
+    """(A folder gone, a path over the limit): the error, and no context or socket left open."""
+    import zmq
+    import zmq.asyncio
+
+    from minengine.server.frontend import SchedulerClient
+    from minengine.server.metrics import Metrics
+
+    made = []
+
+    class Context(zmq.asyncio.Context):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(zmq.asyncio, "Context", Context)
+    ok = f"ipc://{tmp_path}/requests-0"
+    for requests, outputs in [([ok, f"ipc://{tmp_path}/gone/requests-1"], ok), ([ok], f"ipc://{tmp_path}/gone/out")]:
+        with pytest.raises(zmq.ZMQError):
+            SchedulerClient(requests, outputs, Metrics())
+        assert made[-1].closed
+    assert len(made) == 2
+
+
+def test_workers_that_cannot_start_end_the_server_in_one_line(monkeypatch, capsys):
+    import minengine.server.workers
+    from minengine import serve
+
+    why = "no folder for the scheduler's sockets"
+
+    def fails(config, metrics):
+        raise ValueError(why)
+
+    monkeypatch.setattr(minengine.server.workers, "Workers", fails)
+    assert serve.main(["--port", str(free_port())]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"python -m minengine.serve: error: cannot start the scheduler workers: {why}"]
+
+
 def test_help_lists_every_config_field_with_defaults():
     import dataclasses
 

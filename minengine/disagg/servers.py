@@ -148,6 +148,10 @@ class PrefillDriver:
                 self.engine.abort(req)
                 self.xfer.forget(sender.room)
                 updates.append(_failed(rid, sender.error))
+            elif sender.error is not None:  # failed, with writes still running: its client hears now
+                del self.live[rid]
+                self.closing.append((req, sender))  # its pages stay held until the writes end
+                updates.append(_failed(rid, sender.error))
         for req, sender in list(self.closing):
             if sender.poll() is KVPoll.Failed:
                 self.closing.remove((req, sender))

@@ -17,6 +17,8 @@ a schema on arrival (a malformed one is dropped, never executed or trusted):
     prefill -> decode   ("accepted", room)  (also the answer to "status" while it runs)
                         ("done", room, first_token, pages, bytes, num_writes)
                         ("failed", room, reason), ("released", room, reason), ("pong",)
+                        ("failing", room, reason)  failed, but a write to its pages has not ended:
+                                          fail the request now, keep its pages until "released"
                         ("who", room)   metadata from a peer it does not know (it restarted)
 
 A ROUTER drops what it sends to a peer that is reconnecting, so a final answer ("done",
@@ -184,6 +186,7 @@ _SCHEMA: dict[str, tuple] = {
     "accepted": (int,),
     "done": (int, int, int, int, int),  # room, first token, pages, bytes, writes
     "failed": (int, str),
+    "failing": (int, str),
     "released": (int, str),
     "pong": (),
     "who": (int,),
@@ -360,6 +363,7 @@ class KVSender:
         self.first_token: int | None = None
         self.error: str | None = None
         self.reply = "failed"  # what the decode side hears when this fails ("released": it aborted)
+        self.told_failing = False  # the decode side heard "failing" (failed, with writes still running)
         self.last_progress = self.created
 
     # SGLang's names: init, send, poll, abort
@@ -446,6 +450,11 @@ class KVSender:
                 self.state = KVPoll.Failed
                 if self.peer is not None:
                     self.mgr.send_final(self.peer, (self.reply, self.room, self.error))
+            elif self.writes and self.peer is not None and self.reply == "failed" and not self.told_failing:
+                # its client hears now, not when the write ends (a stuck one: maybe never); the
+                # pages stay held on both sides until then
+                self.told_failing = True
+                self.mgr.send(self.peer, ("failing", self.room, self.error))
             return
         if self.first_token is not None and not self.writes and self.state is not KVPoll.Success:
             if self.sent != len(self.dst_pages):
@@ -650,8 +659,8 @@ class PrefillTransfer:
         """Answer a decode server that heard nothing about ``room`` for a timeout."""
         s = self.senders.get(room)
         if s is not None and s.peer == peer:
-            if s.state not in (KVPoll.Failed, KVPoll.Success):
-                self.send(peer, ("accepted", room))  # still working on it
+            if s.state not in (KVPoll.Failed, KVPoll.Success):  # still working on it, or on its last writes
+                self.send(peer, ("accepted", room) if s.error is None else ("failing", room, s.error))
             elif room in self.answers:
                 self.send(peer, self.answers[room][1])
         elif s is None and room in self.answers and self.answers[room][0] == peer:
@@ -974,6 +983,8 @@ class DecodeTransfer:
                 r._check_done()
         elif kind == "failed":
             r._final(f"the prefill server failed the request: {msg[2]}")
+        elif kind == "failing":  # a write into our pages may still land: fail the request, keep the pages
+            r.abort(f"the prefill server failed the request: {msg[2]}")
         elif kind == "released":
             r._final("aborted")
 

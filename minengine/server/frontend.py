@@ -52,13 +52,16 @@ class SchedulerClient:
 
     def __init__(self, requests_addrs: list[str], outputs_addr: str, metrics: Metrics, method: str = "round_robin"):
         self.ctx = zmq.asyncio.Context()
-        self.outboxes = []
-        for addr in requests_addrs:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.bind(addr)
-            self.outboxes.append(sock)
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(outputs_addr)
+        try:
+            self.outboxes = []
+            for addr in requests_addrs:
+                self.outboxes.append(self.ctx.socket(zmq.PUSH))
+                self.outboxes[-1].bind(addr)
+            self.inbox = self.ctx.socket(zmq.PULL)
+            self.inbox.bind(outputs_addr)
+        except BaseException:  # (a path too long, a folder gone): no socket or context left open
+            self.ctx.destroy(linger=0)
+            raise
         self.metrics = metrics
         self.method = method
         self.queues: dict[str, asyncio.Queue] = {}

@@ -9,6 +9,8 @@ import socket
 import tempfile
 import time
 
+import zmq
+
 from minengine.config import EngineConfig
 from minengine.server.frontend import SchedulerClient
 from minengine.server.metrics import Metrics
@@ -21,12 +23,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ipc_folder(dp_size: int) -> str:
+    """A new folder for the front end's ZMQ sockets: in the temporary folder (``TMPDIR``) when its
+    socket paths fit the system's limit on them (``zmq.IPC_PATH_MAX_LEN``: 107 characters on
+    Linux), else in /tmp or /var/tmp, as Python's multiprocessing picks a folder for its sockets."""
+    limit = getattr(zmq, "IPC_PATH_MAX_LEN", 0) or 103  # (103: macOS's, the smallest)
+    # <base>/<prefix><mkdtemp's 8 random characters>/requests-<rank>, the longest path in it
+    tail = len(f"/{IPC_DIR_PREFIX}xxxxxxxx/requests-{dp_size - 1}")
+    base = tempfile.gettempdir()
+    for folder in (base, "/tmp", "/var/tmp"):
+        if len(os.path.abspath(folder)) + tail <= limit and os.access(folder, os.W_OK | os.X_OK):
+            return tempfile.mkdtemp(prefix=IPC_DIR_PREFIX, dir=folder)
+    raise ValueError(
+        f"no folder for the scheduler's sockets: the temporary folder {base!r} is {len(base)} characters long, "
+        f"and a socket path may have at most {limit} characters ({limit - tail} for the folder), and /tmp and "
+        "/var/tmp are not writable: set TMPDIR to a shorter writable folder"
+    )
+
+
 class Workers:
     """``config.dp_size`` scheduler processes (one model replica and KV pool each) and the client
     that talks to them. Create the client's sockets (``client``) before awaiting ``start``."""
 
     def __init__(self, config: EngineConfig, metrics: Metrics):
-        self.ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
+        self.ipc_dir = ipc_folder(config.dp_size)
         self.processes: list = []
         self._hurry = False  # set by ``hurry``
         self.client = None
@@ -65,7 +85,9 @@ class Workers:
     def stop(self, grace: float = 5.0) -> None:
         """Wait up to ``grace`` seconds for the workers to exit (after a Shutdown; a worker still
         loading the model reads none), then make sure they did. The folder of sockets goes in
-        any case."""
+        any case. After a worker died (or failed) the others heard no Shutdown: no wait."""
+        if self.client is not None and self.client.dead is not None:
+            grace = 0.0
         try:
             deadline = time.monotonic() + grace
             for p in self.processes:
