@@ -70,6 +70,21 @@ def _llama_pipeline(backend: HFTokenizer, cfg: dict[str, Any]) -> None:
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
 
 
+LONG_TEXT = 16384  # characters: ``Tokenizer._encoding`` hands a text this long to ``encode_batch``
+
+
+def _check_unicode(text: str) -> None:
+    """ValueError for a text that is no valid Unicode (an unpaired surrogate), naming where."""
+    if isinstance(text, str) and not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            at = exc.start
+            raise ValueError(
+                f"{text[at]!r} at character {at} is an unpaired surrogate; allowed: valid Unicode text"
+            ) from None
+
+
 class Tokenizer:
     def __init__(self, backend: HFTokenizer, special: dict[str, str | None], chat_template: str | None):
         self.backend = backend
@@ -80,6 +95,7 @@ class Tokenizer:
         # decoding skips these, so a stream of them adds no text
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._token_texts: dict[int, str] = {}
+        self._ends: tuple[list[int], list[int]] | None | bool = False  # _special_ends', once found
         self._compiled: tuple[str, jinja2.Template] | None = None  # chat_template, compiled
 
     @classmethod
@@ -113,20 +129,43 @@ class Tokenizer:
         the left (vLLM's ``truncate_prompt_tokens``): the text's tokens are cut first, then the
         special tokens (a BOS) are added, so they stay. ValueError for a text that is no valid
         Unicode (an unpaired surrogate)."""
-        if isinstance(text, str) and not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                at = exc.start
-                raise ValueError(
-                    f"{text[at]!r} at character {at} is an unpaired surrogate; allowed: valid Unicode text"
-                ) from None
-        if truncate_left is None:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        encoding = self.backend.encode(text, add_special_tokens=False)
-        added = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
-        encoding.truncate(max(truncate_left - added, 0), direction="left")
-        return self.backend.post_process(encoding, add_special_tokens=add_special_tokens).ids
+        if truncate_left is not None:
+            return self.encode_truncated(text, truncate_left, add_special_tokens)[0]
+        _check_unicode(text)
+        return self._encoding(text, add_special_tokens).ids
+
+    def encode_truncated(self, text: str, keep: int, add_special_tokens: bool = True) -> tuple[list[int], bool]:
+        """``encode(text, add_special_tokens, truncate_left=keep)`` in one pass over the text, and
+        whether it cut any of it."""
+        _check_unicode(text)
+        encoding = self._encoding(text, False)
+        ends = self._special_ends() if add_special_tokens else ([], [])
+        added = len(ends[0]) + len(ends[1]) if ends else self.backend.num_special_tokens_to_add(False)
+        cut = len(encoding) + added > keep
+        if cut and ends is not None:  # the text's last tokens between the special ones
+            tail = max(keep - added, 0)
+            return ends[0] + (encoding.ids[-tail:] if tail else []) + ends[1], True
+        if cut:  # (Encoding.truncate keeps what it cuts as pieces that post_process goes over:
+            encoding.truncate(max(keep - added, 0), direction="left")  # 11 s for a 12 MB text)
+        return self.backend.post_process(encoding, add_special_tokens=add_special_tokens).ids, cut
+
+    def _special_ends(self) -> tuple[list[int], list[int]] | None:
+        """The special tokens the backend's post-processor puts before and after a text's own (a
+        BOS; an EOS), found once on a probe text; None if it does more than add them."""
+        if self._ends is False:
+            probe = self.backend.encode("a b", add_special_tokens=False)
+            own, full = probe.ids, self.backend.post_process(probe, add_special_tokens=True).ids
+            at = next((i for i in range(len(full) - len(own) + 1) if full[i : i + len(own)] == own), None)
+            self._ends = None if not own or at is None else (full[:at], full[at + len(own) :])
+        return self._ends
+
+    def _encoding(self, text: str, add_special_tokens: bool):
+        """The backend's encoding of ``text``; a long text through ``encode_batch``, which lets go
+        of the GIL while it works (``encode`` holds it: a server's event loop, with the tokenizing
+        in another thread, stood still for the 2.4 s a 3.6 MB text took)."""
+        if len(text) < LONG_TEXT:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -168,3 +168,57 @@ def test_load_chat_template_takes_a_file_or_the_text_as_vllm(tmp_path):
     ):
         with pytest.raises(ValueError, match=why):
             load_chat_template(bad)
+
+
+def _with_post_processor(processor) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    backend = HFTokenizer.from_str(TOK.backend.to_str())
+    backend.post_processor = processor
+    return Tokenizer(backend, TOK.special_tokens, None)
+
+
+def _old_truncation(tok: Tokenizer, text: str, keep: int, special: bool) -> tuple[list[int], bool]:
+    """What ``encode_truncated`` must equal: the backend's own left truncation, then its post-processor."""
+    encoding = tok.backend.encode(text, add_special_tokens=False)
+    added = tok.backend.num_special_tokens_to_add(False) if special else 0
+    cut = len(encoding.ids) + added > keep
+    if cut:
+        encoding.truncate(max(keep - added, 0), direction="left")
+    return tok.backend.post_process(encoding, add_special_tokens=special).ids, cut
+
+
+@pytest.mark.parametrize("processor", ["bos", "bos and eos", "none", "byte level", "not a plain wrap"])
+def test_left_truncation_keeps_the_special_tokens_and_the_last_ones(processor):
+    """``encode_truncated`` cuts a text's tokens itself, between the post-processor's special ones
+    (``Encoding.truncate`` keeps the cut tokens as pieces that post_process then goes over: 11 s
+    for a 12 MB prompt, holding the GIL); the same ids as truncating with the backend, for any
+    post-processor, and as ``encode`` when nothing is cut."""
+    from tokenizers import processors
+
+    made = {
+        "bos": lambda: TOK,
+        "bos and eos": lambda: _with_post_processor(
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A <|end_of_text|>",
+                special_tokens=[("<|begin_of_text|>", 256), ("<|end_of_text|>", 257)],
+            )
+        ),
+        "none": lambda: _with_post_processor(None),
+        "byte level": lambda: _with_post_processor(processors.ByteLevel()),  # (adds nothing: offsets only)
+    }
+    tok = made.get(processor, made["bos and eos"])()
+    if processor == "not a plain wrap":  # (as if the probe found the text's tokens changed: the backend truncates)
+        tok._ends = None
+    rng = random.Random()
+    for _ in range(200):
+        text = "".join(rng.choice(["a", "b ", "é", "東", "🚀", "<|end_of_text|>"]) for _ in range(rng.randrange(12)))
+        keep, special = rng.randrange(1, 12), rng.random() < 0.7
+        want = _old_truncation(tok, text, keep, special)
+        assert tok.encode_truncated(text, keep, special) == want, (text, keep, special)
+        assert tok.encode(text, special, truncate_left=keep) == want[0]
+        if not want[1]:
+            assert want[0] == tok.encode(text, special)
+    long = "hello world " * 2000  # (through encode_batch, which lets go of the GIL)
+    assert tok.encode_truncated(long, 9) == _old_truncation(tok, long, 9, True)
+    assert tok.encode(long) == tok.backend.encode(long).ids

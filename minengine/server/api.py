@@ -13,7 +13,8 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -262,6 +263,10 @@ class ServerState:
     shutting_down: bool = False
     inflight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
+    # long prompts are parsed and tokenized here, off the event loop (as vLLM's one tokenizer thread)
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="minengine-tokenize")
+    )
 
     @property
     def healthy(self) -> bool:
@@ -362,8 +367,27 @@ def _unpaired_surrogate(data: dict) -> tuple[tuple, str, int] | None:
     return None
 
 
-async def parse_body(raw: Request, schema: type[BaseModel]) -> Any:
-    data = load_json_object(await raw.body())
+# A body or text at least this long is parsed or tokenized in ``ServerState.tokenize_pool``: on the
+# event loop it would stall every stream and health check (a 1.2 MB prompt: 1.9 s on this CPU);
+# shorter ones take less time there than the hop to the thread.
+OFF_LOOP_CHARS = 16384
+
+
+async def off_loop(state: ServerState, size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, in the tokenizer thread when ``size`` (characters or bytes) is at
+    least ``OFF_LOOP_CHARS``; its exceptions (an ``APIError``) are raised here."""
+    if size < OFF_LOOP_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, lambda: fn(*args, **kwargs))
+
+
+async def parse_body(state: ServerState, raw: Request, schema: type[BaseModel]) -> Any:
+    body = await raw.body()
+    return await off_loop(state, len(body), _parse, body, schema)
+
+
+def _parse(body: bytes, schema: type[BaseModel]) -> Any:
+    data = load_json_object(body)
     try:
         req = schema.model_validate(data)
     except ValidationError as exc:
@@ -855,7 +879,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict[str, Any]:
         """vLLM's: the token ids a prompt, or a conversation through the chat template, runs as."""
-        req = await parse_body(raw, TokenizeRequest)
+        req = await parse_body(state, raw, TokenizeRequest)
         _check_open(state, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages (one of them)", "prompt")
@@ -863,10 +887,16 @@ def build_app(state: ServerState) -> FastAPI:
             if not req.messages:
                 raise APIError(400, "messages is empty", "messages")
             text, _ = await render_chat(state, req)
-            ids = _encode(state.tokenizer, text, "messages", add_special_tokens=bool(req.add_special_tokens))
+            special = bool(req.add_special_tokens)
+            ids = await off_loop(
+                state, len(text), _encode, state.tokenizer, text, "messages", add_special_tokens=special
+            )
         else:
             special = req.add_special_tokens is not False
-            ids = _encode(state.tokenizer, req.prompt, "prompt", add_special_tokens=special)
+            size = len(req.prompt)
+            ids = await off_loop(
+                state, size, _encode, state.tokenizer, req.prompt, "prompt", add_special_tokens=special
+            )
         strs = [state.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {
             "count": len(ids),
@@ -878,7 +908,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict[str, Any]:
         """vLLM's: the text of token ids (special tokens included)."""
-        req = await parse_body(raw, DetokenizeRequest)
+        req = await parse_body(state, raw, DetokenizeRequest)
         _check_open(state, req.model)
         vocab = state.client.ready.vocab_size
         bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
@@ -914,11 +944,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        req = await parse_body(raw, CompletionRequest)
+        req = await parse_body(state, raw, CompletionRequest)
         with _peer_told(state, req):
             _check_open(state, req.model)
             keep = _keep(state, req.truncate_prompt_tokens)
-            prompts, texts = _completion_prompts(state.tokenizer, req.prompt, keep, req.add_special_tokens)
+            size = sum(
+                len(p) for p in ([req.prompt] if isinstance(req.prompt, str) else req.prompt) if isinstance(p, str)
+            )
+            prompts, texts = await off_loop(
+                state, size, _completion_prompts, state.tokenizer, req.prompt, keep, req.add_special_tokens
+            )
             bootstrap = bootstrap_of(state, req, len(prompts))
             # as vLLM: echo with logprobs lists the prompt's tokens too, scored with ``prompt_logprobs``
             # top tokens when given (0 with stream too), else ``logprobs``
@@ -942,7 +977,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        req = await parse_body(raw, ChatCompletionRequest)
+        req = await parse_body(state, raw, ChatCompletionRequest)
         with _peer_told(state, req):
             _check_open(state, req.model)
             if req.top_logprobs and not req.logprobs:  # as vLLM: 0 without logprobs is no request
@@ -957,11 +992,18 @@ def build_app(state: ServerState) -> FastAPI:
                 req.skip_special_tokens = False  # (as vLLM: the calls' tags are in the text)
             text, role = await render_chat(state, req)
             echo = chat_echo(req, role)
-            prompt_ids = _encode(state.tokenizer, text, "messages", add_special_tokens=req.add_special_tokens)
-            if (keep := _keep(state, req.truncate_prompt_tokens)) is not None and len(prompt_ids) > keep:
-                prompt_ids = _encode(
-                    state.tokenizer, text, "messages", add_special_tokens=req.add_special_tokens, truncate_left=keep
-                )
+            keep = _keep(state, req.truncate_prompt_tokens)
+            special = req.add_special_tokens
+            prompt_ids = await off_loop(
+                state,
+                len(text),
+                _encode,
+                state.tokenizer,
+                text,
+                "messages",
+                add_special_tokens=special,
+                truncate_left=keep,
+            )
             field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             bootstrap = bootstrap_of(state, req, 1)
@@ -1031,16 +1073,22 @@ def _completion_prompts(
             ids.append(list(p)[-keep:] if keep is not None else list(p))
             texts.append(None)
             continue
-        ids.append(_encode(tokenizer, p, "prompt", add_special_tokens=add_special_tokens))
-        texts.append(p)
-        if keep is not None and len(ids[-1]) > keep:
-            ids[-1] = _encode(tokenizer, p, "prompt", add_special_tokens=add_special_tokens, truncate_left=keep)
-            texts[-1] = tokenizer.decode(ids[-1])  # what ran, for echo
+        if keep is None:
+            ids.append(_encode(tokenizer, p, "prompt", add_special_tokens=add_special_tokens))
+            texts.append(p)
+            continue
+        kept, cut = _encode(tokenizer, p, "prompt", add_special_tokens=add_special_tokens, keep=keep)
+        ids.append(kept)
+        texts.append(tokenizer.decode(kept) if cut else p)  # what ran, for echo
     return ids, texts
 
 
-def _encode(tokenizer: Tokenizer, text: str, field_name: str, **kwargs: Any) -> list[int]:
+def _encode(tokenizer: Tokenizer, text: str, field_name: str, keep: int | None = None, **kwargs: Any) -> Any:
+    """``tokenizer.encode(text, **kwargs)``, or with ``keep``: ``encode_truncated(text, keep, ...)``;
+    a 400 naming ``field_name`` for a text it cannot take."""
     try:
+        if keep is not None:
+            return tokenizer.encode_truncated(text, keep, **kwargs)
         return tokenizer.encode(text, **kwargs)
     except Exception as exc:  # text the tokenizer cannot take (a lone surrogate: not valid Unicode)
         raise APIError(400, f"{field_name} cannot be tokenized: {exc}", field_name) from None
