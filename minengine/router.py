@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from starlette.background import BackgroundTask
 
 from minengine.serve import LOG_LEVELS, OneLineParser
+from minengine.server.access import add_access_control, add_access_flags, check_access_flags
 from minengine.server.api import APIError, error_response, load_json_object, openai_errors
 
 logger = logging.getLogger("minengine.router")
@@ -148,10 +149,15 @@ def _routing_key(body: dict) -> str:
 
 
 class Router:
-    def __init__(self, prefills: list[Backend], decodes: list[Backend], timeout: float | None = None):
+    def __init__(
+        self, prefills: list[Backend], decodes: list[Backend], timeout: float | None = None, api_key: str | None = None
+    ):
         self.prefill, self.decode = Picker(prefills), Picker(decodes)
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS), limits=httpx.Limits(max_connections=None)
+            timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS),
+            limits=httpx.Limits(max_connections=None),
+            # the servers' key is the router's own (one --api-key for the whole deployment)
+            headers={"authorization": f"Bearer {api_key}"} if api_key is not None else None,
         )
         self.registry = r = CollectorRegistry()
         self.requests = Counter("minengine_router:requests", "requests routed", ["prefill", "decode"], registry=r)
@@ -590,7 +596,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    add_access_flags(parser)
     args = parser.parse_args(argv)
+    check_access_flags(parser, args)
     prefills = []
     for spec in args.prefill:
         if len(spec) > 2:
@@ -618,7 +626,7 @@ def _url(parser: argparse.ArgumentParser, flag: str, url: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args, prefills, decodes = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(prefills, decodes)
+    router = Router(prefills, decodes, api_key=args.api_key)
     logger.info(
         "routing http://%s:%d to prefill %s and decode %s",
         args.host,
@@ -626,7 +634,9 @@ def main(argv: list[str] | None = None) -> int:
         [p.url for p in prefills],
         [d.url for d in decodes],
     )
-    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level=args.log_level)
+    app = build_app(router)
+    add_access_control(app, args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

@@ -20,6 +20,7 @@ import sys
 import uvicorn
 
 from minengine.config import CHOICES, EngineConfig
+from minengine.server.access import add_access_control, add_access_flags, check_access_flags
 from minengine.server.reasoning import PARSERS as REASONING_PARSERS
 from minengine.server.tool_calls import PARSERS
 from minengine.tokenizer import load_chat_template
@@ -78,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=REASONING_PARSERS,
         help="split the <think> reasoning from the answer: qwen3 (Qwen3, QwQ), deepseek_r1 (R1 and its distills)",
     )
+    add_access_flags(parser)
     engine = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -108,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
             + ", ".join(sorted(PARSERS))
             + ")"
         )
+    check_access_flags(parser, args)
     if not args.response_role.strip():
         parser.error(f"argument --response-role: {args.response_role!r} is empty; allowed: a role name")
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
@@ -296,6 +299,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
     )
 
     app = build_app(state)
+    add_access_control(app, args)
     server = _Server(
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=3),
         state,

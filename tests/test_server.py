@@ -857,6 +857,98 @@ def test_shutting_down_answers_503():
     assert http.get("/inflight").json() == 0
 
 
+def _app_with_access(flags: list[str]):
+    """The API (over a stand-in scheduler client) behind the access control that ``flags`` ask for."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from minengine.models.tiny import tiny_tokenizer
+    from minengine.serve import parse_args
+    from minengine.server.access import add_access_control
+    from minengine.server.api import ServerState, build_app
+    from minengine.server.metrics import Metrics
+    from minengine.server.protocol import Ready
+
+    client = SimpleNamespace(ready=Ready(260, 4096, 65536), dead=None, shutdown=lambda: None)
+    app = build_app(ServerState(client, tiny_tokenizer(), MODEL, Metrics()))
+    add_access_control(app, parse_args(flags)[0])
+    return TestClient(app)
+
+
+def test_an_api_key_guards_the_v1_routes_as_in_vllm(monkeypatch):
+    http = _app_with_access(["--api-key", "sesame"])
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+        r = http.get("/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", r.text
+        assert "Authorization: Bearer <key>" in r.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"prompt": "x"}, headers=headers).status_code == 401
+    assert http.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+    for path in ("/health", "/metrics", "/version"):  # (open, as vLLM's)
+        assert http.get(path).status_code == 200, path
+    monkeypatch.setenv("MINENGINE_API_KEY", "from-env")  # (a key on the command line shows in ps)
+    http = _app_with_access([])
+    assert http.get("/v1/models").status_code == 401
+    assert http.get("/v1/models", headers={"Authorization": "Bearer from-env"}).status_code == 200
+
+
+def test_cors_as_in_vllm():
+    """vLLM's defaults: any origin, method and header; a browser's preflight passes the key check,
+    and a 401 carries the CORS headers (the page can read it)."""
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
+    http = _app_with_access([])
+    r = http.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    http = _app_with_access(["--allowed-origins", '["http://ui.example"]', "--api-key", "k"])
+    r = http.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = http.get("/v1/models", headers={"Origin": "http://ui.example"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = http.options("/v1/chat/completions", headers={**preflight, "Origin": "http://other.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--allowed-origins", "*"], "argument --allowed-origins: '*'; allowed: a JSON list of strings"),
+        (["--allowed-headers", "[1]"], "argument --allowed-headers: '[1]'; allowed: a JSON list of strings"),
+        (["--api-key", " "], "argument --api-key: ' ' is empty; allowed: a non-empty key"),
+    ],
+)
+@pytest.mark.parametrize("prog", ["serve", "router"])
+def test_bad_access_flags_exit_with_one_line(flags, message, prog, capsys):
+    from minengine import router, serve
+
+    argv = [*flags] if prog == "serve" else ["--prefill", "http://a", "--decode", "http://b", *flags]
+    with pytest.raises(SystemExit) as exc:
+        (serve.parse_args if prog == "serve" else router.parse_args)(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+def test_the_openai_client_with_a_key_and_a_router_that_passes_it_on():
+    from minengine.router import Backend, Router
+
+    proc, url = start_server("--api-key", "sesame")
+    try:
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+        assert ok.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0).models.list()
+
+        async def through_router() -> int:
+            router = Router([Backend(url, 8998)], [Backend(url)], api_key="sesame")
+            try:
+                return (await router.client.get(url + "/v1/models")).status_code
+            finally:
+                await router.close()
+
+        assert asyncio.run(through_router()) == 200
+    finally:
+        stop_server(proc)
+
+
 BOOT = {"bootstrap_host": "10.0.0.7", "bootstrap_port": 9000, "bootstrap_room": 42}
 
 

@@ -62,6 +62,7 @@ class APIError(Exception):
 
 _ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     500: "InternalServerError",
