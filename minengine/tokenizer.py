@@ -140,7 +140,7 @@ class Tokenizer:
         _check_unicode(text)
         encoding = self._encoding(text, False)
         ends = self._special_ends() if add_special_tokens else ([], [])
-        added = len(ends[0]) + len(ends[1]) if ends else self.backend.num_special_tokens_to_add(False)
+        added = len(ends[0]) + len(ends[1]) if ends is not None else self.backend.num_special_tokens_to_add(False)
         cut = len(encoding) + added > keep
         if cut and ends is not None:  # the text's last tokens between the special ones
             tail = max(keep - added, 0)

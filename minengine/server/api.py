@@ -888,16 +888,10 @@ def build_app(state: ServerState) -> FastAPI:
             if not req.messages:
                 raise APIError(400, "messages is empty", "messages")
             text, _ = await render_chat(state, req)
-            special = bool(req.add_special_tokens)
-            ids = await off_loop(
-                state, len(text), _encode, state.tokenizer, text, "messages", add_special_tokens=special
-            )
+            name, special = "messages", bool(req.add_special_tokens)
         else:
-            special = req.add_special_tokens is not False
-            size = len(req.prompt)
-            ids = await off_loop(
-                state, size, _encode, state.tokenizer, req.prompt, "prompt", add_special_tokens=special
-            )
+            text, name, special = req.prompt, "prompt", req.add_special_tokens is not False
+        ids, _ = await off_loop(state, len(text), _encode, state.tokenizer, text, name, special)
         strs = [state.tokenizer.backend.id_to_token(i) for i in ids] if req.return_token_strs else None
         return {
             "count": len(ids),
@@ -994,16 +988,8 @@ def build_app(state: ServerState) -> FastAPI:
             text, role = await render_chat(state, req)
             echo = chat_echo(req, role)
             keep = _keep(state, req.truncate_prompt_tokens)
-            special = req.add_special_tokens
-            prompt_ids = await off_loop(
-                state,
-                len(text),
-                _encode,
-                state.tokenizer,
-                text,
-                "messages",
-                add_special_tokens=special,
-                truncate_left=keep,
+            prompt_ids, _ = await off_loop(
+                state, len(text), _encode, state.tokenizer, text, "messages", req.add_special_tokens, keep
             )
             field_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -1074,23 +1060,21 @@ def _completion_prompts(
             ids.append(list(p)[-keep:] if keep is not None else list(p))
             texts.append(None)
             continue
-        if keep is None:
-            ids.append(_encode(tokenizer, p, "prompt", add_special_tokens=add_special_tokens))
-            texts.append(p)
-            continue
-        kept, cut = _encode(tokenizer, p, "prompt", add_special_tokens=add_special_tokens, keep=keep)
+        kept, cut = _encode(tokenizer, p, "prompt", add_special_tokens, keep)
         ids.append(kept)
         texts.append(tokenizer.decode(kept) if cut else p)  # what ran, for echo
     return ids, texts
 
 
-def _encode(tokenizer: Tokenizer, text: str, field_name: str, keep: int | None = None, **kwargs: Any) -> Any:
-    """``tokenizer.encode(text, **kwargs)``, or with ``keep``: ``encode_truncated(text, keep, ...)``;
-    a 400 naming ``field_name`` for a text it cannot take."""
+def _encode(
+    tokenizer: Tokenizer, text: str, field_name: str, add_special_tokens: bool, keep: int | None = None
+) -> tuple[list[int], bool]:
+    """``text``'s token ids, at most ``keep`` (the last ones, ``Tokenizer.encode_truncated``), and
+    whether it cut any; a 400 naming ``field_name`` for a text the tokenizer cannot take."""
     try:
         if keep is not None:
-            return tokenizer.encode_truncated(text, keep, **kwargs)
-        return tokenizer.encode(text, **kwargs)
+            return tokenizer.encode_truncated(text, keep, add_special_tokens)
+        return tokenizer.encode(text, add_special_tokens), False
     except Exception as exc:  # text the tokenizer cannot take (a lone surrogate: not valid Unicode)
         raise APIError(400, f"{field_name} cannot be tokenized: {exc}", field_name) from None
 
