@@ -10,6 +10,11 @@ answers (streamed: before the decode server streams output, which shows that the
 its error is the answer. A client that goes away cancels both halves. A server that
 refuses the connection never saw the request, so the request goes to another pair (both halves
 again, with a new room) while another server of that kind is up, up to ``MAX_ATTEMPTS`` pairs.
+A streamed answer is held back until it carries output or the prefill half has succeeded, so a
+rejection is the same error (and status) streamed or not. As SGLang's router: a server that
+sends nothing for ``--request-timeout-secs`` fails its request (504), and servers whose
+``/health`` fails ``--health-failure-threshold`` periodic checks in a row are passed over until
+they pass ``--health-success-threshold`` in a row.
 
 Routing is prefix-aware: each server remembers the (hashed, 16-character) prefixes of the
 prompts it was sent, and a request goes to the server that shares the longest prefix with it,
@@ -35,7 +40,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.background import BackgroundTask
 
 from minengine.serve import LOG_LEVELS, OneLineParser
@@ -51,6 +56,7 @@ PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefi
 DOWN_SECONDS = 5.0
 ROLE_CHECK_SECONDS = 2.0  # for a server's /server_info, asked before its first request
 CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as long as generation does)
+DISCONNECT_POLL_SECONDS = 0.25  # how often a request not yet answered checks that its client is still there
 MAX_ATTEMPTS = 3  # pairs a request may be sent to when servers refuse connections
 # connection failures where the server never saw the request: a refusal, or no answer to the connect
 # (a host that drops packets), which httpx does not count as a ConnectError
@@ -65,6 +71,12 @@ class Backend:
     prefixes: OrderedDict = field(default_factory=OrderedDict)
     down_until: float = 0.0  # monotonic time: it refused a connection (or its role), so it is passed over until then
     role_checked: bool = False  # its /server_info matched its role here (until it next refuses a connection)
+    healthy: bool = True  # by the periodic health checks (``Router.check_health``)
+    streak: int = 0  # health checks in a row whose answer differs from ``healthy``
+
+    def up(self, now: float) -> bool:
+        """Whether picking may choose it (when any of its kind is up)."""
+        return self.healthy and self.down_until <= now
 
     def unreachable(self, exc: BaseException | None) -> None:
         """Note a failed call: a connection error takes the server out of picking for a while
@@ -108,12 +120,12 @@ class Picker:
 
     def any_up(self) -> bool:
         now = time.monotonic()
-        return any(b.down_until <= now for b in self.backends)
+        return any(b.up(now) for b in self.backends)
 
     def pick(self, key: str) -> Backend:
         chain = prefix_chain(key)
         now = time.monotonic()
-        up = [b for b in self.backends if b.down_until <= now] or self.backends
+        up = [b for b in self.backends if b.up(now)] or self.backends
         least = min(b.in_flight for b in up)
         best, best_n = None, 0
         for b in up:
@@ -148,11 +160,29 @@ def _routing_key(body: dict) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
+@dataclass
+class HealthChecks:
+    """The periodic ``/health`` checks of every server (SGLang's router's flags and defaults)."""
+
+    interval: float = 60.0  # seconds between rounds
+    timeout: float = 5.0  # for one answer
+    failure_threshold: int = 3  # failures in a row that make a healthy server unhealthy
+    success_threshold: int = 2  # passes in a row that make an unhealthy server healthy
+
+
 class Router:
     def __init__(
-        self, prefills: list[Backend], decodes: list[Backend], timeout: float | None = None, api_key: str | None = None
+        self,
+        prefills: list[Backend],
+        decodes: list[Backend],
+        timeout: float | None = None,
+        api_key: str | None = None,
+        health_checks: HealthChecks | None = None,
     ):
+        """``timeout``: the seconds a server may send nothing (its answer, or a stream's next
+        piece) before its request fails; None: no limit."""
         self.prefill, self.decode = Picker(prefills), Picker(decodes)
+        self.timeout, self.health_checks = timeout, health_checks or HealthChecks()
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS),
             limits=httpx.Limits(max_connections=None),
@@ -165,6 +195,11 @@ class Router:
         self.retries = Counter(
             "minengine_router:retries", "requests sent to another pair: a server refused them", ["server"], registry=r
         )
+        self.healthy = Gauge(
+            "minengine_router:server_healthy", "1 while a server passes its health checks", ["server"], registry=r
+        )
+        for b in (*prefills, *decodes):
+            self.healthy.labels(server=b.url).set(1)
         self._background: set[asyncio.Task] = set()
 
     async def forward(self, path: str, raw: Request) -> Response:
@@ -246,7 +281,7 @@ class Router:
         prefill.add_done_callback(lambda t: _prefill_ended(t, p))
         try:
             if body.get("stream"):
-                return await self._stream(path, d, decode_body, prefill, p, retry)
+                return await self._stream(path, raw, d, decode_body, prefill, p, retry)
             return await self._unary(path, raw, d, decode_body, prefill, p, retry)
         except BaseException:
             prefill.cancel()
@@ -266,13 +301,10 @@ class Router:
         try:
             while not decode.done():
                 await asyncio.wait({decode, prefill} if not prefill.done() else {decode}, timeout=0.05)
-                failed = _failure(prefill, p) if prefill.done() else None
+                failed = self._prefill_failure(prefill, p)
                 if failed is not None and not decode.done():
                     decode.cancel()
-                    if self._refused(retry, prefill.exception(), p, self.prefill):
-                        raise _Refused(p.url)
-                    self.failures.labels(server=p.url).inc()
-                    return failed
+                    return self._prefill_failed(prefill, p, d, failed, retry)
                 if not decode.done() and await raw.is_disconnected():
                     decode.cancel()
                     prefill.cancel()
@@ -289,47 +321,51 @@ class Router:
                 raise _Refused(d.url) from None
             d.unreachable(exc)
             refused = isinstance(exc, NEVER_SENT)
-            answer = error_response(502, f"the decode server {d.url} failed: {exc!r}")
+            answer = self._failed("decode", d, exc)
         if answer.status_code == 200:
             self._finish_in_background(prefill)  # it ends on its own once its KV has landed
             return answer
         # the decode half failed. A 4xx is the client's error (the decode server checks more: the
-        # whole max_tokens); otherwise a failed prefill half may be the cause, so it gets a moment
-        # to say so (not when the decode server refused the connection: it never saw the
-        # request, so the prefill half can only wait for it). Either way the prefill half can
-        # never hand its KV over, so it is stopped.
-        if answer.status_code in (500, 502):  # (a 503, shutting down, is the decode server's own)
+        # whole max_tokens); otherwise a failed (or silent: a 504) prefill half may be the cause,
+        # so it gets a moment to say so (not when the decode server refused the connection: it
+        # never saw the request, so the prefill half can only wait for it). Either way the
+        # prefill half can never hand its KV over, so it is stopped.
+        if answer.status_code in (500, 502, 504):  # (a 503, shutting down, is the decode server's own)
             if not refused:
                 await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)  # (raises nothing of its own)
-            if prefill.done() and (failed := _failure(prefill, p)) is not None:
-                self.failures.labels(server=p.url).inc()
-                return failed
+            if (failed := self._prefill_failure(prefill, p)) is not None:
+                return self._prefill_failed(prefill, p, d, failed, retry=False)
         prefill.cancel()
         self.failures.labels(server=d.url).inc()
         return answer
 
-    async def _stream(self, path, d: Backend, body, prefill: asyncio.Task, p: Backend, retry: bool) -> Response:
+    async def _stream(
+        self, path, raw: Request, d: Backend, body, prefill: asyncio.Task, p: Backend, retry: bool
+    ) -> Response:
         request = self.client.build_request("POST", d.url + path, json=body)
         headers = asyncio.ensure_future(self.client.send(request, stream=True))
         # the decode server answers once the request is admitted; a failed prefill half ends the wait
-        failed = None
+        failed, gone = None, False
         try:
             while not headers.done():
-                await asyncio.wait({headers} if prefill.done() else {headers, prefill}, return_when="FIRST_COMPLETED")
-                if not headers.done() and (failed := _failure(prefill, p)) is not None:
+                waits = {headers} if prefill.done() else {headers, prefill}
+                await asyncio.wait(waits, timeout=DISCONNECT_POLL_SECONDS, return_when="FIRST_COMPLETED")
+                if headers.done():
+                    break
+                if (failed := self._prefill_failure(prefill, p)) is not None or (gone := await raw.is_disconnected()):
                     headers.cancel()
                     await asyncio.gather(headers, return_exceptions=True)
                     break
-        except BaseException:  # cancelled (the client went away): no decode request left behind
+        except BaseException:  # cancelled: no decode request left behind
             headers.cancel()
             d.in_flight -= 1
             raise
-        if failed is not None:
+        if failed is not None or gone:
             d.in_flight -= 1
-            if self._refused(retry, prefill.exception(), p, self.prefill):
-                raise _Refused(p.url)
-            self.failures.labels(server=p.url).inc()
-            return failed
+            if gone:
+                prefill.cancel()
+                return Response(status_code=499)
+            return self._prefill_failed(prefill, p, d, failed, retry)
         try:
             resp = headers.result()
         except httpx.HTTPError as exc:
@@ -339,15 +375,7 @@ class Router:
                 raise _Refused(d.url) from None
             d.unreachable(exc)
             self.failures.labels(server=d.url).inc()
-            return error_response(502, f"the decode server {d.url} failed: {exc!r}")
-        # NOTE: a refusal noticed only once the stream has begun (a slow connect error) is not
-        # retried: it ends the stream with the prefill server's error, as any prefill failure does
-        if prefill.done() and not prefill.cancelled() and self._refused(retry, prefill.exception(), p, self.prefill):
-            try:  # refused while the decode server answered: nothing reached the client yet
-                await resp.aclose()
-            finally:
-                d.in_flight -= 1
-            raise _Refused(p.url)
+            return self._failed("decode", d, exc)
         if resp.status_code != 200:
             try:
                 content = await resp.aread()
@@ -358,6 +386,44 @@ class Router:
             self.failures.labels(server=d.url).inc()
             return Response(content, status_code=resp.status_code, media_type="application/json")
 
+        # Until the decode server streams output (the KV and the first token have landed) or the
+        # prefill half succeeds, a failed prefill half is the cause of whatever the decode server
+        # says next, and the answer. The events before (a chat stream's role) are held back, so a
+        # rejection is the same error, with its status, as unstreamed, and a refusal is retried.
+        chunks, head, output = resp.aiter_raw().__aiter__(), [], _OutputWatch()
+        nxt: asyncio.Future | None = None  # the next piece, asked for and not yet passed on
+        handed = False
+        try:
+            while not output.began:
+                if prefill.done():
+                    if (failed := self._prefill_failure(prefill, p)) is not None:
+                        return self._prefill_failed(prefill, p, d, failed, retry)
+                    break
+                if nxt is not None and nxt.done():  # the stream ended or broke first: the prefill half may say why
+                    await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)
+                    if not prefill.done():
+                        break
+                    continue
+                nxt = nxt or asyncio.ensure_future(chunks.__anext__())
+                await asyncio.wait({nxt, prefill}, timeout=DISCONNECT_POLL_SECONDS, return_when="FIRST_COMPLETED")
+                if nxt.done():
+                    if nxt.exception() is None:
+                        head.append(nxt.result())
+                        output.feed(head[-1])
+                        nxt = None
+                elif not prefill.done() and await raw.is_disconnected():
+                    prefill.cancel()
+                    return Response(status_code=499)
+            handed = True
+        finally:
+            if not handed:  # failed, refused, the client went away, or cancelled
+                try:
+                    if nxt is not None:
+                        nxt.cancel()
+                    await resp.aclose()
+                finally:
+                    d.in_flight -= 1
+
         closed = False
 
         async def cleanup() -> None:  # idempotent: the relay's end, or the response's background task
@@ -366,33 +432,24 @@ class Router:
                 closed = True
                 await resp.aclose()  # the decode server sees the disconnect and aborts
                 d.in_flight -= 1
-                self._finish_in_background(prefill)
+                self._finish_in_background(prefill)  # (after output it no longer matters)
 
         async def relay():
-            chunks, nxt = resp.aiter_raw().__aiter__(), None
-            # Until the decode server streams output, a failed prefill half is the cause of what it
-            # says next (its KV never lands), so the stream ends with that error. Output means the
-            # KV and the first token have landed: the stream no longer needs the prefill half.
-            output = _OutputWatch()
+            nonlocal nxt
             try:
+                for chunk in head:
+                    yield chunk
                 while True:
-                    nxt = asyncio.ensure_future(chunks.__anext__())
-                    watching = not output.began and not prefill.done()
-                    await asyncio.wait({nxt, prefill} if watching else {nxt}, return_when="FIRST_COMPLETED")
-                    if not output.began and prefill.done() and (failed := _failure(prefill, p)) is not None:
-                        self.failures.labels(server=p.url).inc()
-                        yield _event(failed)
-                        return
-                    await asyncio.wait({nxt})
+                    nxt = nxt or asyncio.ensure_future(chunks.__anext__())
                     try:
-                        chunk = nxt.result()
+                        chunk = await nxt
                     except StopAsyncIteration:
                         return
-                    except httpx.HTTPError as exc:  # the decode server went away mid-stream
+                    except httpx.HTTPError as exc:  # the decode server went away mid-stream, or went silent
                         self.failures.labels(server=d.url).inc()
-                        yield _event(error_response(502, f"the decode server {d.url} failed: {exc!r}"))
+                        yield _event(self._failed("decode", d, exc))
                         return
-                    output.feed(chunk)
+                    nxt = None
                     yield chunk
             finally:
                 if nxt is not None and not nxt.done():
@@ -400,6 +457,51 @@ class Router:
                 await cleanup()
 
         return StreamingResponse(relay(), media_type="text/event-stream", background=BackgroundTask(cleanup))
+
+    def _failed(self, kind: str, server: Backend, exc: BaseException) -> Response:
+        """The answer for a call to the ``kind`` ("prefill" or "decode") server that raised ``exc``:
+        a 504 when it sent nothing for the request timeout, else a 502."""
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            why = f"sent nothing for {self.timeout:g} s (--request-timeout-secs)"
+            return error_response(504, f"the {kind} server {server.url} {why}")
+        return error_response(502, f"the {kind} server {server.url} failed: {exc!r}")
+
+    def _prefill_failure(self, task: asyncio.Task, p: Backend) -> Response | None:
+        """The prefill half's error response, or None if it succeeded (or is not done)."""
+        if not task.done() or task.cancelled():
+            return None
+        if (exc := task.exception()) is not None:
+            return self._failed("prefill", p, exc)
+        resp = task.result()
+        if resp.status_code != 200:
+            return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        # a half its server aborted (it is shutting down) hands no KV over: the decode half cannot go on.
+        # (This runs every 50 ms while the decode half runs: the body, which may echo a long prompt, is
+        # parsed only when "abort" is in it.)
+        aborted = False
+        if b'"abort"' in resp.content:
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                aborted = any(c.get("finish_reason") == "abort" for c in resp.json()["choices"])
+        if aborted:
+            return error_response(503, f"the prefill server {p.url} aborted the request (it may be shutting down)")
+        return None
+
+    def _prefill_failed(self, prefill: asyncio.Task, p: Backend, d: Backend, failed: Response, retry: bool) -> Response:
+        """``failed``, the prefill half's error, as the answer (its decode half, on ``d``, already
+        let go); a server error also names ``d`` (a decode server that never asked for the KV
+        fails the prefill half, which cannot tell which server that was). Raises ``_Refused``
+        instead when the prefill server refused the connection and another is up."""
+        if self._refused(retry, prefill.exception(), p, self.prefill):
+            raise _Refused(p.url)
+        self.failures.labels(server=p.url).inc()
+        if failed.status_code < 500:
+            return failed
+        try:
+            error = json.loads(failed.body)["error"]
+            message = f"{error['message']} (the request's decode half went to {d.url})"
+        except (ValueError, KeyError, TypeError):
+            return failed
+        return error_response(failed.status_code, message, error.get("param"))
 
     def _finish_in_background(self, task: asyncio.Task) -> None:
         """Let the prefill half end on its own (cancelling it would abort a finished transfer)."""
@@ -409,16 +511,47 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _passes(self, url: str, timeout: float) -> bool:
+        """Whether the server at ``url`` answers its ``/health`` with a 200 within ``timeout``."""
+        try:
+            return (await self.client.get(url + "/health", timeout=timeout)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def check_health(self) -> None:
+        """One round of health checks: a server that fails ``failure_threshold`` in a row is
+        passed over (while any other of its kind is not) until it passes ``success_threshold`` in
+        a row. A server that stalls (stopped, or its event loop stuck) still accepts connections,
+        so only its ``/health`` shows that it is gone."""
+        cfg = self.health_checks
+        roles = [(b, "prefill") for b in self.prefill.backends] + [(b, "decode") for b in self.decode.backends]
+        passed = await asyncio.gather(*(self._passes(b.url, cfg.timeout) for b, _ in roles))
+        for (b, role), ok in zip(roles, passed, strict=True):
+            b.streak = 0 if ok == b.healthy else b.streak + 1
+            if b.streak < (cfg.success_threshold if ok else cfg.failure_threshold):
+                continue
+            b.healthy, b.streak = ok, 0
+            self.healthy.labels(server=b.url).set(int(ok))
+            if ok:
+                logger.warning("the %s server %s passes its health checks again", role, b.url)
+            else:
+                logger.error(
+                    "the %s server %s failed %d health checks in a row: passed over until it passes %d",
+                    role,
+                    b.url,
+                    cfg.failure_threshold,
+                    cfg.success_threshold,
+                )
+
+    async def watch_health(self) -> None:
+        """``check_health`` every ``interval`` seconds, from now on."""
+        while True:
+            await self.check_health()
+            await asyncio.sleep(self.health_checks.interval)
+
     async def health(self) -> Response:
         servers = [b.url for b in (*self.prefill.backends, *self.decode.backends)]
-
-        async def ok(url: str) -> bool:
-            try:
-                return (await self.client.get(url + "/health", timeout=2)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        states = await asyncio.gather(*(ok(u) for u in servers))
+        states = await asyncio.gather(*(self._passes(u, 2) for u in servers))
         down = [u for u, up in zip(servers, states, strict=True) if not up]
         if down:
             return error_response(503, f"not healthy: {', '.join(down)}")
@@ -433,7 +566,7 @@ class Router:
         it (and may still be working on it: a request's own chat template) answers it, however
         long that takes."""
         now = time.monotonic()
-        order = sorted(self.decode.backends, key=lambda b: b.down_until > now)
+        order = sorted(self.decode.backends, key=lambda b: not b.up(now))
         errors, answer = [], None
         for d in order:
             try:
@@ -511,27 +644,6 @@ def _event(response: Response) -> bytes:
     return b"data: " + bytes(response.body) + b"\n\ndata: [DONE]\n\n"
 
 
-def _failure(task: asyncio.Task, p: Backend) -> Response | None:
-    """The prefill half's error response, or None if it succeeded."""
-    if task.cancelled():
-        return None
-    if (exc := task.exception()) is not None:
-        return error_response(502, f"the prefill server {p.url} failed: {exc!r}")
-    resp = task.result()
-    if resp.status_code != 200:
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
-    # a half its server aborted (it is shutting down) hands no KV over: the decode half cannot go on.
-    # (This runs every 50 ms while the decode half runs: the body, which may echo a long prompt, is
-    # parsed only when "abort" is in it.)
-    aborted = False
-    if b'"abort"' in resp.content:
-        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
-            aborted = any(c.get("finish_reason") == "abort" for c in resp.json()["choices"])
-    if aborted:
-        return error_response(503, f"the prefill server {p.url} aborted the request (it may be shutting down)")
-    return None
-
-
 def build_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -540,8 +652,10 @@ def build_app(router: Router) -> FastAPI:
                 logger.error("%s", why)
 
         checking = asyncio.create_task(check())
+        watching = asyncio.create_task(router.watch_health())
         yield
         checking.cancel()
+        watching.cancel()
         await router.close()
 
     app = FastAPI(title="minengine router", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -582,6 +696,15 @@ def build_app(router: Router) -> FastAPI:
     return app
 
 
+LIMIT_FLAGS = (  # (flag, default, what it does): SGLang's router's names and defaults
+    ("--request-timeout-secs", 1800, "a request fails (504) when a server sends it nothing for this long"),
+    ("--health-check-interval-secs", 60, "seconds between rounds of /health checks of every server"),
+    ("--health-check-timeout-secs", 5, "a /health check fails when it takes longer"),
+    ("--health-failure-threshold", 3, "failed checks in a row that pass a server over"),
+    ("--health-success-threshold", 2, "passed checks in a row that take a server back"),
+)
+
+
 def parse_args(argv: list[str] | None = None):
     parser = OneLineParser(prog="python -m minengine.router", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -596,9 +719,15 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    limits = parser.add_argument_group("timeouts and health checks (as SGLang's router's flags)")
+    for flag, default, what in LIMIT_FLAGS:
+        limits.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
     add_access_flags(parser)
     args = parser.parse_args(argv)
     check_access_flags(parser, args)
+    for flag, _, _ in LIMIT_FLAGS:
+        if (value := getattr(args, flag[2:].replace("-", "_"))) < 1:
+            parser.error(f"argument {flag}: {value}; allowed: an integer >= 1")
     prefills = []
     for spec in args.prefill:
         if len(spec) > 2:
@@ -626,7 +755,13 @@ def _url(parser: argparse.ArgumentParser, flag: str, url: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args, prefills, decodes = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(prefills, decodes, api_key=args.api_key)
+    checks = HealthChecks(
+        args.health_check_interval_secs,
+        args.health_check_timeout_secs,
+        args.health_failure_threshold,
+        args.health_success_threshold,
+    )
+    router = Router(prefills, decodes, args.request_timeout_secs, args.api_key, checks)
     logger.info(
         "routing http://%s:%d to prefill %s and decode %s",
         args.host,

@@ -66,7 +66,14 @@ def cluster(tmp_path_factory):
         procs.append(decode)
         router, router_url = start_router("--prefill", prefill_url, str(boot), "--decode", decode_url)
         procs.append(router)
-        yield {"single": single_url, "prefill": prefill_url, "boot": boot, "decode": decode_url, "router": router_url}
+        yield {
+            "single": single_url,
+            "prefill": prefill_url,
+            "boot": boot,
+            "decode": decode_url,
+            "router": router_url,
+            "decode_flags": [*common, "--disaggregation-mode", "decode"],
+        }
     finally:
         for proc in procs:
             stop_server(proc)
@@ -169,12 +176,23 @@ def test_completions_and_concurrency_through_the_router(cluster):
     assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
 
 
-def test_prefill_rejection_through_the_router(cluster):
-    """The prefill server (256 KV tokens) cannot take this prompt; the decode server can."""
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_rejection_through_the_router(cluster, stream, chat):
+    """The prefill server (256 KV tokens) cannot take this prompt; the decode server can. The
+    client gets the prefill server's 400 streamed or not (a stream is held back until it has
+    output), and its message counts the one token the prefill server computes, not max_tokens."""
     via = client(cluster["router"])
     model = via.models.list().data[0].id
-    with pytest.raises(openai.BadRequestError, match="KV cache capacity"):
-        via.completions.create(model=model, prompt=list(range(5, 305)), max_tokens=4)
+    for _ in range(3):  # (the decode server admits the stream at once: the race went either way)
+        with pytest.raises(openai.BadRequestError, match="KV cache capacity") as err:
+            if chat:
+                messages = [{"role": "user", "content": "word " * 56}]
+                via.chat.completions.create(model=model, messages=messages, max_tokens=4, stream=stream)
+            else:
+                via.completions.create(model=model, prompt=list(range(5, 305)), max_tokens=4, stream=stream)
+        message = err.value.body["message"]
+        assert "first output token (this prefill server's part)" in message and "max_tokens" not in message
     assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
 
 
@@ -268,7 +286,7 @@ def test_dead_prefill_server(cluster):
         r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 4}, timeout=30)
         assert r.status_code == 502 and "prefill server" in r.json()["error"]["message"]
         assert time.monotonic() - start < 10
-        # streaming: the stream ends with the prefill error as an event, not after the decode timeout
+        # streaming: the prefill error, not after the decode timeout (a 502 before the stream starts)
         start, body = time.monotonic(), {"model": model, "prompt": "hello", "max_tokens": 4, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
             text = resp.read().decode()  # a 502 before the stream starts, or an error event in it
@@ -303,11 +321,61 @@ def test_a_dead_prefill_server_beside_a_live_one_fails_no_request(cluster):
         stop_server(proc)
 
 
+def test_a_stopped_decode_server_times_out_its_request_and_is_passed_over(cluster):
+    """Real processes: a decode server stopped (SIGSTOP: it still accepts connections) holds its
+    request only for the prefill server's bootstrap timeout (3 s here; or --request-timeout-secs,
+    5 s), whose error names it; after its failed health checks the router sends every request to
+    the other decode server; once it runs again, it frees the request's KV."""
+    import signal
+
+    extra, extra_url = start_server(*cluster["decode_flags"])
+    checks = [
+        "--health-check-interval-secs",
+        "1",
+        "--health-failure-threshold",
+        "2",
+        "--health-check-timeout-secs",
+        "1",
+    ]
+    pair = ["--prefill", cluster["prefill"], str(cluster["boot"]), "--decode", cluster["decode"], "--decode", extra_url]
+    proc, url = start_router(*pair, "--request-timeout-secs", "5", "--health-check-timeout-secs", "1", *checks)
+    try:
+        model = client(cluster["single"]).models.list().data[0].id
+        extra.send_signal(signal.SIGSTOP)
+        start, answers = time.monotonic(), []
+
+        def ask(i: int) -> None:
+            body = {"model": model, "prompt": f"stopped {i}: the quick brown fox", "max_tokens": 4}
+            answers.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]  # (one to each decode server)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(r.status_code for r in answers)[0] == 200 and time.monotonic() - start < 10
+        failed = [r for r in answers if r.status_code != 200]
+        assert len(failed) == 1 and failed[0].status_code in (500, 504), failed[0].text
+        assert extra_url in failed[0].json()["error"]["message"]
+        assert wait_for(lambda: f'server_healthy{{server="{extra_url}"}} 0.0' in httpx.get(url + "/metrics").text, 10)
+        for i in range(4):
+            ask(10 + i)
+        assert [r.status_code for r in answers[2:]] == [200] * 4
+        extra.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"], extra_url), timeout=20)
+    finally:
+        extra.send_signal(signal.SIGCONT)
+        stop_server(proc)
+        stop_server(extra)
+
+
 def test_router_flags_fail_in_one_line():
     for args, needle in [
         (["--decode", "http://x:1"], "--prefill"),
         (["--prefill", "http://x:1", "99999", "--decode", "http://x:2"], "bootstrap port '99999'"),
         (["--prefill", "ftp://x", "--decode", "http://x:2"], "not an http(s) URL"),
+        (["--prefill", "http://x:1", "--decode", "http://x:2", "--request-timeout-secs", "0"], "allowed: an integer"),
+        (["--prefill", "http://x:1", "--decode", "http://x:2", "--health-failure-threshold", "-1"], "integer >= 1"),
     ]:
         out = subprocess.run([sys.executable, "-m", "minengine.router", *args], capture_output=True, text=True)
         assert out.returncode == 2 and needle in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
@@ -559,32 +627,294 @@ def _failures(router) -> dict[str, float]:
     return _counter(router, "failures")
 
 
-def test_a_prefill_half_failing_before_the_output_ends_a_chat_stream_after_its_role_event():
+def _role_then(then, role: bool = True):
+    """A decode server's chat stream: its role event, then ``then()``'s events."""
+
+    async def events():
+        if role:
+            yield b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+        async for event in then():
+            yield event
+
+    return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+
+@pytest.mark.parametrize("status", [400, 503])
+def test_a_prefill_half_failing_before_the_output_is_a_streams_whole_answer(status):
+    """The decode server's headers and a chat stream's role event come before the prefill half
+    fails (a 400: it rejected the request): they are held back, and the client gets the same error
+    and status as unstreamed, at once. A server error also names the decode server."""
     import asyncio
 
     async def handler(request):
         if request.url.host == "p":
             await asyncio.sleep(0.2)
-            return httpx.Response(503, json={"error": {"message": "the prefill half failed", "code": 503}})
+            return httpx.Response(status, json={"error": {"message": "the prefill half failed", "code": status}})
+
+        async def then():
+            await asyncio.sleep(60)  # waits for KV that never comes
+            yield b"data: [DONE]\n\n"
+
+        return _role_then(then)
+
+    async def run():
+        router, http = _one_pair_router(handler)
+        async with http:
+            start = time.monotonic()
+            body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+            r = await http.post("/v1/chat/completions", json=body, timeout=30)
+            return router, r, time.monotonic() - start
+
+    router, r, seconds = asyncio.run(run())
+    assert r.status_code == status and seconds < 5, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("the prefill half failed") and ("went to http://d" in message) == (status >= 500)
+    assert _failures(router) == {"http://p": 1.0}
+
+
+def test_a_stream_that_ends_before_output_waits_a_moment_for_the_prefill_halfs_error():
+    """A decode stream that ends with an error event before any output, while the prefill half is
+    still running: the prefill half's error, if it comes within the grace, is the answer."""
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "p":
+            await asyncio.sleep(0.5)
+            return httpx.Response(400, json={"error": {"message": "rejected by the prefill server", "code": 400}})
+
+        async def then():
+            yield b'data: {"error": {"message": "the KV never came", "code": 500}}\n\ndata: [DONE]\n\n'
+
+        return _role_then(then, role=False)
+
+    r, seconds = _timed_post(handler, {"prompt": "x", "stream": True})
+    assert r.status_code == 400 and "rejected by the prefill server" in r.text and seconds < 2
+
+
+def test_a_stream_that_ends_before_output_beside_a_silent_prefill_half_is_relayed():
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "p":
+            await asyncio.sleep(30)
+
+        async def then():
+            yield b'data: {"error": {"message": "the decode server says no", "code": 503}}\n\ndata: [DONE]\n\n'
+
+        return _role_then(then)
+
+    r, seconds = _timed_post(handler, {"prompt": "x", "stream": True})
+    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and len(events) == 3 and "decode server says no" in events[1], r.text
+    assert 1 < seconds < 10  # (the grace, then the stream as it was)
+
+
+@pytest.mark.parametrize("phase", ["headers", "held"])
+def test_a_client_gone_before_its_stream_starts_lets_both_halves_go(phase):
+    """While the router waits for the decode server's headers, or holds its stream back until
+    output, it checks that the client is still there: one that went away gets both halves
+    cancelled at once, not when the prefill half ends."""
+    import asyncio
+
+    from minengine.router import Backend, Router
+
+    ended = []
+
+    async def handler(request):
+        try:
+            if request.url.host == "p" or phase == "headers":
+                await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            ended.append(request.url.host)
+            raise
+
+        async def then():
+            try:
+                await asyncio.sleep(30)
+                yield b"data: [DONE]\n\n"
+            finally:
+                ended.append("d")
+
+        return _role_then(then)
+
+    class Gone:  # the parts of a starlette Request that the router reads
+        headers: dict = {}
+
+        def __init__(self):
+            self.start = time.monotonic()
+
+        async def body(self) -> bytes:
+            return json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+
+        async def is_disconnected(self) -> bool:
+            return time.monotonic() - self.start > 0.3
+
+    p, d = Backend("http://p", 1), Backend("http://d")
+
+    async def run():
+        router = Router([p], [d])
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(_no_server_info(handler)))
+        start = time.monotonic()
+        r = await router.forward("/v1/chat/completions", Gone())
+        await asyncio.sleep(0.1)  # (the cancelled halves end)
+        return r, time.monotonic() - start
+
+    r, seconds = asyncio.run(run())
+    assert r.status_code == 499 and seconds < 2
+    assert sorted(ended) == ["d", "p"] and p.in_flight == d.in_flight == 0
+
+
+def _silent_router(silent: str, stream: bool, timeout: float = 0.5):
+    """A one-pair router with a request ``timeout`` over servers where ``silent`` ("p", "d" or
+    "mid-stream": the decode server after its first piece) sends nothing more."""
+    import asyncio
+
+    async def handler(request):
+        if request.url.host == "p":
+            if silent == "p":
+                await asyncio.sleep(30)
+            return httpx.Response(200, json={"choices": [{"text": "a", "finish_reason": "length"}]})
+        if silent == "d" or silent == "p" and not stream:  # (the decode server waits for the KV)
+            await asyncio.sleep(30)
+        if not stream:
+            return httpx.Response(200, json={"choices": [{"text": "ab"}]})
 
         async def events():
-            yield b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
-            await asyncio.sleep(60)  # waits for KV that never comes
+            if silent == "p":
+                await asyncio.sleep(30)
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'
+            if silent == "mid-stream":
+                await asyncio.sleep(30)
             yield b"data: [DONE]\n\n"
 
         return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
 
-    async def run():
-        async with _router_app(handler) as http:
-            start = time.monotonic()
-            body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
-            r = await http.post("/v1/chat/completions", json=body, timeout=30)
-            return r, time.monotonic() - start
+    router, http = _one_pair_router(handler)
+    router.timeout = timeout
+    router.client = httpx.AsyncClient(
+        transport=httpx.MockTransport(_no_server_info(_slow_reads(handler, timeout))),
+    )
+    return router, http
 
-    r, seconds = asyncio.run(run())
-    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
-    assert len(events) == 3 and '"role"' in events[0] and "prefill half failed" in events[1], r.text
-    assert events[2] == "data: [DONE]" and seconds < 5
+
+def _slow_reads(handler, timeout: float):
+    """``handler`` behind httpx's read timeout, as a real connection has it (MockTransport has none)."""
+    import asyncio
+
+    async def handle(request):
+        try:
+            response = await asyncio.wait_for(handler(request), timeout)
+        except TimeoutError:
+            raise httpx.ReadTimeout("timed out", request=request) from None
+        if response.headers.get("content-type") != "text/event-stream":
+            return response
+
+        async def pieces():
+            it = response.stream.__aiter__()
+            while True:
+                try:
+                    yield await asyncio.wait_for(it.__anext__(), timeout)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise httpx.ReadTimeout("timed out", request=request) from None
+
+        return httpx.Response(200, content=pieces(), headers=response.headers)
+
+    return handle
+
+
+@pytest.mark.parametrize(
+    "silent, stream",
+    [("p", False), ("p", True), ("d", False), ("d", True), ("mid-stream", True)],
+)
+def test_a_server_that_sends_nothing_for_the_request_timeout_fails_its_request(silent, stream):
+    """--request-timeout-secs: a stalled server (stopped: it still accepts connections) fails
+    the request with a 504 naming it, instead of holding it forever; mid-stream, as the stream's
+    last event."""
+    import asyncio
+
+    async def run():
+        router, http = _silent_router(silent, stream)
+        async with http:
+            start = time.monotonic()
+            r = await http.post("/v1/completions", json={"prompt": "x", "stream": stream}, timeout=20)
+            return router, r, time.monotonic() - start
+
+    router, r, seconds = asyncio.run(run())
+    server = "prefill server http://p" if silent == "p" else "decode server http://d"
+    assert seconds < 5, seconds
+    if silent == "mid-stream":
+        events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[0] == 'data: {"choices": [{"text": "a"}]}', r.text
+        error = json.loads(events[1][6:])["error"]
+        assert error["code"] == 504 and events[2] == "data: [DONE]"
+    else:
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+    assert error["message"].startswith(f"the {server} sent nothing for 0.5 s (--request-timeout-secs)")
+    assert _failures(router) == {server.split()[-1]: 1.0}
+
+
+def test_health_checks_pass_a_failing_server_over_until_it_passes_again():
+    """As SGLang's router: a server whose /health fails `failure_threshold` checks in a row is
+    passed over (a stalled server still accepts connections, so requests alone would not show it)
+    until it passes `success_threshold` in a row; with every server of a kind failing, they are
+    all used (their errors are the answers); the gauge follows."""
+    import asyncio
+
+    from minengine.router import Backend, HealthChecks, Router
+
+    failing = {"http://d1"}
+
+    async def handler(request):
+        url = f"http://{request.url.host}"
+        if url in failing:
+            if url == "http://p":
+                raise httpx.ConnectError("refused")
+            return httpx.Response(503, json={"error": {"message": "shutting down", "code": 503}})
+        return httpx.Response(200)
+
+    d1, d2 = Backend("http://d1"), Backend("http://d2")
+    router = Router([Backend("http://p", 1)], [d1, d2], health_checks=HealthChecks(1, 1, 3, 2))
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+    def gauge() -> dict[str, float]:
+        from prometheus_client import generate_latest
+
+        text = generate_latest(router.registry).decode()
+        return {
+            line.split('"')[1]: float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("minengine_router:server_healthy{")
+        }
+
+    def picks() -> set[str]:
+        return {router.decode.pick(f"prompt {i} " * 5).url for i in range(8)}
+
+    async def rounds(n: int) -> None:
+        for _ in range(n):
+            await router.check_health()
+
+    asyncio.run(rounds(2))
+    assert picks() == {"http://d1", "http://d2"}  # two failures: not yet
+    asyncio.run(rounds(1))
+    assert picks() == {"http://d2"} and gauge() == {"http://p": 1.0, "http://d1": 0.0, "http://d2": 1.0}
+    failing.clear()
+    asyncio.run(rounds(1))
+    assert picks() == {"http://d2"}  # one pass: not yet
+    failing.add("http://d1")
+    asyncio.run(rounds(1))
+    failing.clear()
+    asyncio.run(rounds(1))
+    assert picks() == {"http://d2"}  # the passes must come in a row
+    asyncio.run(rounds(1))
+    assert picks() == {"http://d1", "http://d2"} and gauge()["http://d1"] == 1.0
+    failing.update({"http://d1", "http://d2", "http://p"})
+    asyncio.run(rounds(3))
+    assert picks() == {"http://d1", "http://d2"} and not router.decode.any_up()
+    assert set(gauge().values()) == {0.0}
+    assert router.prefill.pick("x").url == "http://p"
 
 
 def test_output_watch_over_split_and_non_output_events():

@@ -1123,7 +1123,10 @@ def _choices(
                 ready.eos_token_ids,
             )
         except ValueError as exc:
-            message = str(exc).replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
+            message = str(exc)
+            if state.mode == "prefill":  # its max_tokens is 1 (see above), not the request's
+                message = message.replace("max_tokens (1) =", "the first output token (this prefill server's part) =")
+            message = message.replace("prompt (", f"{prompt_field} (").replace("max_tokens (", f"{max_field} (")
             message = message.replace("max_tokens]", f"{max_field}]")  # (min_tokens over the room left)
             field_name = message.split(" ", 1)[0]
             raise APIError(400, message, field_name if field_name in _CHECKED_FIELDS else prompt_field) from None
