@@ -135,12 +135,7 @@ class LLM:
             texts.append(text)
             salts.append(p.get("cache_salt") if isinstance(p, dict) else None)
             from_text.append(p_ids is None)
-            if p_ids is None:
-                try:
-                    p_ids = self.tokenizer.encode(text)
-                except ValueError as exc:  # (no valid Unicode)
-                    raise ValueError(f"prompt {i}: {exc}") from None
-            ids.append(p_ids)
+            ids.append(p_ids)  # (a text is tokenized below, once its truncation is known)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, list) else [sampling_params] * len(ids)
@@ -154,10 +149,12 @@ class LLM:
                 if salts[i] is not None:  # vLLM's prompt key: the prefix cache of the salt's own
                     params[i] = p = replace(p, cache_salt=salts[i])
                 keep = truncation(p.truncate_prompt_tokens, r.context_length)
-                if keep is not None and len(p_ids) > keep:
-                    # a text's special tokens (BOS) stay, as vLLM's tokenizer truncates
-                    cut = self.tokenizer.encode(texts[i], truncate_left=keep) if from_text[i] else p_ids[-keep:]
-                    ids[i] = p_ids = cut
+                if from_text[i]:  # (a ValueError for a text without valid Unicode)
+                    # truncated, a text's special tokens (BOS) stay, as vLLM's tokenizer truncates
+                    p_ids = self.tokenizer.encode(texts[i], truncate_left=keep)
+                elif keep is not None and len(p_ids) > keep:
+                    p_ids = p_ids[-keep:]
+                ids[i] = p_ids
                 params[i] = p = resolve_max_tokens(p_ids, p, r.context_length, r.kv_capacity_tokens)
                 self._check(p_ids, p)
             except ValueError as exc:

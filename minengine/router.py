@@ -17,9 +17,10 @@ sends nothing for ``--request-timeout-secs`` fails its request (504), and server
 they pass ``--health-success-threshold`` in a row.
 
 Routing is prefix-aware: each server remembers the (hashed, 16-character) prefixes of the
-prompts it was sent, and a request goes to the server that shares the longest prefix with it,
-so the turns of a conversation meet their own KV in the decode server's radix cache. With no
-shared prefix, or when that server is much busier than the others, the least busy one is used.
+prompts it was sent (their first 64 Ki characters), and a request goes to the server that
+shares the longest prefix with it, so the turns of a conversation meet their own KV in the
+decode server's radix cache. With no shared prefix, or when that server is much busier than the
+others, the least busy one is used.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ from minengine.server.api import APIError, error_response, load_json_object, ope
 logger = logging.getLogger("minengine.router")
 BLOCK_CHARS = 16  # prefix granularity of the routing table
 MAX_PREFIXES = 1 << 18  # remembered prefix blocks per server (least recently used go first)
+# blocks of a prompt that decide its route (64 Ki characters): a longer prompt would take more time
+# on the event loop, and flush other prompts' prefixes from the table, than its tail can gain
+MAX_KEY_BLOCKS = 1 << 12
 IMBALANCE = 8  # prefer the prefix match unless its server has this many more requests in flight
 PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefill half's answer
 # a server that refused a connection, or is in the wrong role, gets no new requests for this long (unless all do)
@@ -105,9 +109,10 @@ class Backend:
 
 
 def prefix_chain(key: str) -> list[int]:
-    """Chained hashes of the key's whole 16-character blocks: equal leading entries, equal prefixes."""
+    """Chained hashes of the key's whole 16-character blocks, the first ``MAX_KEY_BLOCKS`` of
+    them: equal leading entries, equal prefixes."""
     chain, h = [], 0
-    for i in range(0, len(key) - BLOCK_CHARS + 1, BLOCK_CHARS):
+    for i in range(0, min(len(key), MAX_KEY_BLOCKS * BLOCK_CHARS) - BLOCK_CHARS + 1, BLOCK_CHARS):
         h = hash((h, key[i : i + BLOCK_CHARS]))
         chain.append(h)
     return chain

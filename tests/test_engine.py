@@ -381,12 +381,18 @@ def test_text_is_decoded_once_without_stop_strings(llm):
     assert never_added.finished and never_added.finish_reason == "abort"
 
 
-def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm, monkeypatch):
     """vLLM's truncate_prompt_tokens: the last k tokens are the prompt (its output, its ids, its
-    cache), -1 the context length's worth; a k past the context length is refused."""
+    cache), -1 the context length's worth; a k past the context length is refused. A text is
+    tokenized once."""
     text = "a text prompt of more than a few tokens"
+    calls = []
+    encode = llm.tokenizer.encode
+    monkeypatch.setattr(llm.tokenizer, "encode", lambda *a, **k: calls.append(a) or encode(*a, **k))
     cut = gen(llm, text, max_tokens=2, truncate_prompt_tokens=5).prompt_token_ids
     assert cut == TOK.encode(text)[:1] + TOK.encode(text, add_special_tokens=False)[-4:]  # its BOS stays
+    assert calls == [(text,)]
+    monkeypatch.undo()
     prompt = list(range(60, 90))
     out = gen(llm, prompt, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=10)
     want = gen(llm, prompt[-10:], max_tokens=6, ignore_eos=True)

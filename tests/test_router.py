@@ -398,6 +398,21 @@ def test_prefix_aware_picking():
     assert routing_key({"prompt": [1, 2]}) == "[1, 2]"
 
 
+def test_a_huge_prompt_does_not_flush_the_routing_table():
+    """Only a prompt's first MAX_KEY_BLOCKS blocks decide its route: a huge prompt takes no
+    longer to pick for, and leaves the other prompts' prefixes in the table."""
+    from minengine.router import MAX_KEY_BLOCKS, MAX_PREFIXES, Backend, Picker, prefix_chain
+
+    picker = Picker([Backend("http://a"), Backend("http://b")])
+    convo = "a conversation's system prompt " * 20
+    first = picker.pick(convo)
+    huge = "z" * (16 * MAX_PREFIXES + 100)
+    assert len(prefix_chain(huge)) == MAX_KEY_BLOCKS
+    for i in range(2):  # (one to each server)
+        picker.pick(f"{i}{huge}")
+    assert picker.pick(convo + "the next turn") is first
+
+
 def test_a_server_that_refuses_connections_is_passed_over():
     """A dead server fails fast, so by load alone it would get most requests: a connection error
     takes it out of picking for a while, unless every server is down."""
