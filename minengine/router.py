@@ -472,12 +472,15 @@ class Router:
         return error_response(502, f"the {kind} server {server.url} failed: {exc!r}")
 
     def _prefill_failure(self, task: asyncio.Task, p: Backend) -> Response | None:
-        """The prefill half's error response, or None if it succeeded (or is not done)."""
+        """The prefill half's error response, or None if it succeeded (or is not done, or its
+        server says the decode server ended the request: a 499, whose cause the decode half tells)."""
         if not task.done() or task.cancelled():
             return None
         if (exc := task.exception()) is not None:
             return self._failed("prefill", p, exc)
         resp = task.result()
+        if resp.status_code == 499:  # the decode server ended the pairing: its own answer is the one
+            return None
         if resp.status_code != 200:
             return Response(resp.content, status_code=resp.status_code, media_type="application/json")
         # a half its server aborted (it is shutting down) hands no KV over: the decode half cannot go on.

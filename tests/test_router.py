@@ -204,6 +204,17 @@ def test_decode_side_rejection_through_the_router(cluster):
     with pytest.raises(openai.BadRequestError, match="exceeds the context length"):
         via.completions.create(model=model, prompt="hello", max_tokens=10**6)
     assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
+    # the halves by hand: the prefill half ends 499, the decode server's abort (not a 500 in its log)
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["boot"], "bootstrap_room": 7}
+    body = {"model": model, "prompt": "hello", "max_tokens": 10**6, **boot}
+    prefill, url = [], cluster["prefill"] + "/v1/completions"
+    thread = threading.Thread(target=lambda: prefill.append(httpx.post(url, json=body, timeout=30)))
+    thread.start()
+    time.sleep(0.5)
+    assert httpx.post(cluster["decode"] + "/v1/completions", json=body).status_code == 400
+    thread.join()
+    assert prefill[0].status_code == 499 and "aborted by the decode server" in prefill[0].text
+    assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
 
 
 def test_logprobs_are_refused_with_disaggregation(cluster):
@@ -1069,20 +1080,27 @@ def test_a_prefill_half_its_server_aborted_ends_the_request_at_once(stream):
     assert "the prefill server http://p aborted the request" in r.json()["error"]["message"]
 
 
-def test_a_decode_server_shutting_down_is_a_503_not_the_prefill_half_it_failed():
-    """The decode server's 503 (shutting down: a client may retry) is the cause; the prefill
-    half's 500 that follows it ("aborted by the decode server") is not passed on instead."""
+@pytest.mark.parametrize("decode_status", [400, 503])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_the_decode_servers_own_error_is_the_answer_not_the_prefill_half_it_aborted(
+    decode_status, stream, prefill_first
+):
+    """The decode server rejected the request (400) or is shutting down (503: a client may
+    retry), and aborted its room: the prefill half ends with a 499 ("aborted by the decode
+    server"). The decode server's answer is the cause, even when the prefill half's comes first."""
 
     async def handler(request):
         import asyncio
 
         if request.url.host == "p":
-            await asyncio.sleep(0.1)
-            return httpx.Response(500, json={"error": {"message": "aborted by the decode server", "code": 500}})
-        return httpx.Response(503, json={"error": {"message": "the server is shutting down", "code": 503}})
+            await asyncio.sleep(0 if prefill_first else 0.1)
+            return httpx.Response(499, json={"error": {"message": "aborted by the decode server", "code": 499}})
+        await asyncio.sleep(0.3 if prefill_first else 0)
+        return httpx.Response(decode_status, json={"error": {"message": "the decode server's own", "code": 0}})
 
-    r, _ = _timed_post(handler, {"prompt": "x"})
-    assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
+    r, _ = _timed_post(handler, {"prompt": "x", "stream": stream})
+    assert r.status_code == decode_status and r.json()["error"]["message"] == "the decode server's own"
 
 
 @pytest.mark.parametrize("decode_status", ["refused", 500])

@@ -54,6 +54,8 @@ import numpy as np
 import torch
 import zmq
 
+from minengine.server.protocol import DECODE_ABORTED
+
 logger = logging.getLogger(__name__)
 PING_SECONDS = 1.0
 MAX_MESSAGE_BYTES = 64 << 20  # a control message (metadata of a huge prompt is ~ pages x 8 bytes)
@@ -649,10 +651,10 @@ class PrefillTransfer:
             self.claims.pop(room, None)
             if (s := self.senders.get(room)) is not None and s.state is not KVPoll.Failed:
                 s.reply, s.peer = "released", s.peer or peer
-                s.fail("aborted by the decode server")
+                s.fail(DECODE_ABORTED)
             else:
                 self.early.pop(room, None)
-                self.dead_rooms[room] = ("aborted by the decode server", now)
+                self.dead_rooms[room] = (DECODE_ABORTED, now)
                 self.send(peer, ("released", room, "aborted"))
 
     def _status(self, peer: bytes, room: int) -> None:

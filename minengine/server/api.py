@@ -30,7 +30,7 @@ from minengine.engine import check_prompt, resolve_max_tokens, truncation
 from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
-from minengine.server.protocol import Bootstrap
+from minengine.server.protocol import DECODE_ABORTED, Bootstrap
 from minengine.server.reasoning import (
     ReasoningStream,
     grammar_after_reasoning,
@@ -865,7 +865,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestFailed)
     async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
-        return error_response(500, f"the request failed: {exc}")
+        return error_response(499 if str(exc) == DECODE_ABORTED else 500, f"the request failed: {exc}")
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health() -> Response:

@@ -27,6 +27,12 @@ class AddRequest:
     bootstrap: Bootstrap | None = None  # set on prefill and decode servers
 
 
+# a prefill server's reason for a request whose decode server ended the pairing (it rejected
+# the request, its client went away, or it failed): that server's answer is the one to give, so
+# the prefill server answers 499, as to a client that went away (a router waits for the decode half)
+DECODE_ABORTED = "aborted by the decode server"
+
+
 @dataclass(frozen=True)
 class FailRoom:
     """The front end rejected a disaggregated request: tell the other server at once."""
