@@ -8,8 +8,9 @@ sends the request to both, and answers with the decode server's response (stream
 The prefill half runs with ``stream`` off and one token; if it fails before the decode half
 answers (streamed: before the decode server streams output, which shows that the KV has landed),
 its error is the answer. A client that goes away cancels both halves. A server that
-refuses the connection never saw the request, so the request goes to another pair (both halves
-again, with a new room) while another server of that kind is up, up to ``MAX_ATTEMPTS`` pairs.
+refuses the connection never saw the request, and one that answers 503 (shutting down) ran none
+of it, so the request goes to another pair (both halves again, with a new room) while another
+server of that kind is up, up to ``MAX_ATTEMPTS`` pairs.
 A streamed answer is held back until it carries output or the prefill half has succeeded, so a
 rejection is the same error (and status) streamed or not. As SGLang's router: a server that
 sends nothing for ``--request-timeout-secs`` fails its request (504), and servers whose
@@ -198,7 +199,10 @@ class Router:
         self.requests = Counter("minengine_router:requests", "requests routed", ["prefill", "decode"], registry=r)
         self.failures = Counter("minengine_router:failures", "requests answered with an error", ["server"], registry=r)
         self.retries = Counter(
-            "minengine_router:retries", "requests sent to another pair: a server refused them", ["server"], registry=r
+            "minengine_router:retries",
+            "requests sent to another pair: a server refused them or answered 503",
+            ["server"],
+            registry=r,
         )
         self.healthy = Gauge(
             "minengine_router:server_healthy", "1 while a server passes its health checks", ["server"], registry=r
@@ -219,7 +223,7 @@ class Router:
             try:
                 return await self._send(path, raw, body, key, retry=attempt < MAX_ATTEMPTS)
             except _Refused as refused:
-                logger.warning("%s refused the request (attempt %d): sending it to another pair", refused, attempt)
+                logger.warning("%s turned the request away (attempt %d): sending it to another pair", refused, attempt)
                 self.retries.labels(server=str(refused)).inc()
         raise AssertionError("unreachable: the last attempt answers")
 
@@ -262,7 +266,7 @@ class Router:
 
     async def _send(self, path: str, raw: Request, body: dict, key: str, retry: bool) -> Response:
         """One attempt on a new pair; raises ``_Refused`` (the other half cancelled) when ``retry``
-        and a server refused the connection while another of its kind is up."""
+        and a server refused the connection or answered 503 while another of its kind is up."""
         p, d = self.prefill.pick(key), self.decode.pick(key)
         roles = (None, None)
         if not (p.role_checked and d.role_checked):  # (once per server: later requests pass straight on)
@@ -301,6 +305,16 @@ class Router:
         server.unreachable(exc)
         return picker.any_up()
 
+    @staticmethod
+    def _turned_away(retry: bool, status: int, server: Backend, picker: Picker) -> bool:
+        """Whether the request may go to another pair: ``server`` answered 503 (it is shutting
+        down: it ran nothing of the request) and another server of its kind is up. It is passed
+        over for a while either way."""
+        if status != 503:
+            return False
+        server.down_until = time.monotonic() + DOWN_SECONDS
+        return retry and picker.any_up()
+
     async def _unary(self, path, raw, d: Backend, body, prefill: asyncio.Task, p: Backend, retry: bool) -> Response:
         decode = asyncio.create_task(self.client.post(d.url + path, json=body))
         try:
@@ -330,6 +344,9 @@ class Router:
         if answer.status_code == 200:
             self._finish_in_background(prefill)  # it ends on its own once its KV has landed
             return answer
+        if self._turned_away(retry, answer.status_code, d, self.decode):
+            prefill.cancel()
+            raise _Refused(d.url)
         # the decode half failed. A 4xx is the client's error (the decode server checks more: the
         # whole max_tokens); otherwise a failed (or silent: a 504) prefill half may be the cause,
         # so it gets a moment to say so (not when the decode server refused the connection: it
@@ -388,6 +405,8 @@ class Router:
             finally:
                 d.in_flight -= 1
                 prefill.cancel()
+            if self._turned_away(retry, resp.status_code, d, self.decode):
+                raise _Refused(d.url)
             self.failures.labels(server=d.url).inc()
             return Response(content, status_code=resp.status_code, media_type="application/json")
 
@@ -498,8 +517,10 @@ class Router:
         """``failed``, the prefill half's error, as the answer (its decode half, on ``d``, already
         let go); a server error also names ``d`` (a decode server that never asked for the KV
         fails the prefill half, which cannot tell which server that was). Raises ``_Refused``
-        instead when the prefill server refused the connection and another is up."""
-        if self._refused(retry, prefill.exception(), p, self.prefill):
+        instead when the prefill server refused the connection, or turned the request away
+        (503: shutting down), and another is up."""
+        exc = prefill.exception()
+        if self._refused(retry, exc, p, self.prefill) or self._turned_away(retry, failed.status_code, p, self.prefill):
             raise _Refused(p.url)
         self.failures.labels(server=p.url).inc()
         if failed.status_code < 500:
@@ -601,7 +622,8 @@ class Router:
 
 
 class _Refused(Exception):
-    """A server refused a request's connection; it goes to another pair (the message: the server)."""
+    """A server refused a request's connection, or turned it away (503); it goes to another pair
+    (the message: the server)."""
 
 
 class _OutputWatch:

@@ -1041,6 +1041,45 @@ def test_a_refused_connection_sends_the_request_to_another_pair(stream, refusing
     assert again.status_code == 200 and _retries(router) == {f"http://{refusing}": 1.0}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("closing", ["p1", "d1"])
+def test_a_server_shutting_down_sends_the_request_to_another_pair(stream, closing):
+    """A 503 (shutting down: the server ran none of the request) is turned away like a refusal:
+    the request goes to another pair, and that server is passed over for a while."""
+    import asyncio
+
+    seen = []
+
+    async def handler(request):
+        seen.append(request.url.host)
+        if request.url.host == closing:
+            if closing == "d1":
+                await asyncio.sleep(0.05)
+            return httpx.Response(503, json={"error": {"message": "the server is shutting down", "code": 503}})
+        if request.url.host.startswith("p"):
+            await asyncio.sleep(0.1 if closing == "d1" else 0)
+            return httpx.Response(200, json={"choices": [{"text": "a"}]})
+        await asyncio.sleep(0.2)
+        if json.loads(request.content).get("stream"):
+
+            async def events():
+                yield b'data: {"choices": [{"text": "ab"}]}\n\ndata: [DONE]\n\n'
+
+            return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, json={"choices": [{"text": "ab"}]})
+
+    async def run():
+        router, http = _two_pair_router(handler)
+        async with http:
+            answers = [await http.post("/v1/completions", json={"prompt": p, "stream": stream}) for p in "xy"]
+        return router, answers
+
+    router, answers = asyncio.run(run())
+    assert [r.status_code for r in answers] == [200, 200] and all('"ab"' in r.text for r in answers)
+    assert _retries(router) == {f"http://{closing}": 1.0} and _failures(router) == {}
+    assert seen.count(closing) == 1
+
+
 def test_when_every_server_of_a_kind_refuses_the_client_gets_the_error():
     import asyncio
 
