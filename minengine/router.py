@@ -12,8 +12,8 @@ refuses the connection never saw the request, and one that answers 503 (shutting
 of it, so the request goes to another pair (both halves again, with a new room) while another
 server of that kind is up, up to ``MAX_ATTEMPTS`` pairs.
 A streamed answer is held back until it carries output or the prefill half has succeeded, so a
-rejection is the same error (and status) streamed or not. As SGLang's router: a server that
-sends nothing for ``--request-timeout-secs`` fails its request (504), and servers whose
+rejection is the same error (and status) streamed or not. With SGLang's router's flags: a server
+that sends a request nothing for ``--request-timeout-secs`` fails it (504), and servers whose
 ``/health`` fails ``--health-failure-threshold`` periodic checks in a row are passed over until
 they pass ``--health-success-threshold`` in a row.
 
@@ -79,10 +79,6 @@ class Backend:
     healthy: bool = True  # by the periodic health checks (``Router.check_health``)
     streak: int = 0  # health checks in a row whose answer differs from ``healthy``
 
-    def up(self, now: float) -> bool:
-        """Whether picking may choose it (when any of its kind is up)."""
-        return self.healthy and self.down_until <= now
-
     def unreachable(self, exc: BaseException | None) -> None:
         """Note a failed call: a connection error takes the server out of picking for a while
         (a server that is down fails fast, so by load alone it would get most requests), and its
@@ -125,13 +121,22 @@ class Picker:
         self._next = 0
 
     def any_up(self) -> bool:
+        """Whether a server is not passed over for a refusal (or a 503, or its role)."""
         now = time.monotonic()
-        return any(b.up(now) for b in self.backends)
+        return any(b.down_until <= now for b in self.backends)
+
+    def candidates(self, now: float) -> list[Backend]:
+        """The servers to pick from, best tier first: those that pass their health checks and
+        have not refused a connection lately; else those that have not refused one (with every
+        server failing its checks, as while they all start, a refusal still turns a request to
+        another); else all (their errors are the answers)."""
+        live = [b for b in self.backends if b.down_until <= now]
+        return [b for b in live if b.healthy] or live or self.backends
 
     def pick(self, key: str) -> Backend:
         chain = prefix_chain(key)
         now = time.monotonic()
-        up = [b for b in self.backends if b.up(now)] or self.backends
+        up = self.candidates(now)
         least = min(b.in_flight for b in up)
         best, best_n = None, 0
         for b in up:
@@ -376,7 +381,9 @@ class Router:
                     break
                 if (failed := self._prefill_failure(prefill, p)) is not None or (gone := await raw.is_disconnected()):
                     headers.cancel()
-                    await asyncio.gather(headers, return_exceptions=True)
+                    (late,) = await asyncio.gather(headers, return_exceptions=True)
+                    if isinstance(late, httpx.Response):  # (it came while the disconnect was checked)
+                        await late.aclose()
                     break
         except BaseException:  # cancelled: no decode request left behind
             headers.cancel()
@@ -444,6 +451,7 @@ class Router:
                 try:
                     if nxt is not None:
                         nxt.cancel()
+                        nxt.add_done_callback(_retrieved)
                     await resp.aclose()
                 finally:
                     d.in_flight -= 1
@@ -465,8 +473,12 @@ class Router:
                     yield chunk
                 while True:
                     nxt = nxt or asyncio.ensure_future(chunks.__anext__())
+                    # (not ``await nxt``: cancelling the relay, as a client that goes away does, would
+                    # cancel the read inside httpcore's close of the connection, and leave it open:
+                    # the decode server would never see the disconnect)
+                    await asyncio.wait({nxt})
                     try:
-                        chunk = await nxt
+                        chunk = nxt.result()
                     except StopAsyncIteration:
                         return
                     except httpx.HTTPError as exc:  # the decode server went away mid-stream, or went silent
@@ -476,8 +488,9 @@ class Router:
                     nxt = None
                     yield chunk
             finally:
-                if nxt is not None and not nxt.done():
+                if nxt is not None:
                     nxt.cancel()
+                    nxt.add_done_callback(_retrieved)
                 await cleanup()
 
         return StreamingResponse(relay(), media_type="text/event-stream", background=BackgroundTask(cleanup))
@@ -485,9 +498,11 @@ class Router:
     def _failed(self, kind: str, server: Backend, exc: BaseException) -> Response:
         """The answer for a call to the ``kind`` ("prefill" or "decode") server that raised ``exc``:
         a 504 when it sent nothing for the request timeout, else a 502."""
-        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+        if isinstance(exc, httpx.ReadTimeout) and self.timeout is not None:
             why = f"sent nothing for {self.timeout:g} s (--request-timeout-secs)"
             return error_response(504, f"the {kind} server {server.url} {why}")
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            return error_response(504, f"the {kind} server {server.url} timed out: {exc!r}")
         return error_response(502, f"the {kind} server {server.url} failed: {exc!r}")
 
     def _prefill_failure(self, task: asyncio.Task, p: Backend) -> Response | None:
@@ -575,7 +590,10 @@ class Router:
     async def watch_health(self) -> None:
         """``check_health`` every ``interval`` seconds, from now on."""
         while True:
-            await self.check_health()
+            try:
+                await self.check_health()
+            except Exception:  # (a bug here must not end the checks for good)
+                logger.exception("a round of health checks failed")
             await asyncio.sleep(self.health_checks.interval)
 
     async def health(self) -> Response:
@@ -595,7 +613,8 @@ class Router:
         it (and may still be working on it: a request's own chat template) answers it, however
         long that takes."""
         now = time.monotonic()
-        order = sorted(self.decode.backends, key=lambda b: not b.up(now))
+        up = self.decode.candidates(now)
+        order = up + [b for b in self.decode.backends if b not in up]
         errors, answer = [], None
         for d in order:
             try:
@@ -661,6 +680,12 @@ def _is_output(event: bytes) -> bool:
         if text or c.get("finish_reason") is not None:
             return True
     return False
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Take a future's exception, if any: one left unread is logged as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _prefill_ended(task: asyncio.Task, p: Backend) -> None:

@@ -790,6 +790,131 @@ def test_a_client_gone_before_its_stream_starts_lets_both_halves_go(phase):
     assert sorted(ended) == ["d", "p"] and p.in_flight == d.in_flight == 0
 
 
+@pytest.mark.parametrize("output_first", [True, False])
+def test_a_client_gone_mid_stream_is_a_disconnect_the_decode_server_sees(output_first):
+    """Real sockets (uvicorn): a client that reads part of a stream and goes away, or goes away
+    before any output, ends the router's connection to the decode server at once, so that server
+    aborts the request and frees its KV, instead of generating on to max_tokens."""
+    import asyncio
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from minengine.router import Backend, Router, build_app
+
+    ends = {}
+
+    async def prefill(request):
+        start = time.monotonic()
+        while time.monotonic() - start < (0.1 if output_first else 30):  # (else: the stream is held back)
+            if await request.is_disconnected():
+                ends["prefill gone"] = True
+                return JSONResponse({}, status_code=499)
+            await asyncio.sleep(0.05)
+        return JSONResponse({"choices": [{"text": "a", "finish_reason": "length"}]})
+
+    async def decode(request):
+        async def events():
+            start = time.monotonic()
+            try:
+                for i in range(20):
+                    if output_first or i:
+                        yield b'data: {"choices": [{"index": 0, "text": "t%d"}]}\n\n' % i
+                    await asyncio.sleep(0.3)
+                ends["finished"] = True
+            finally:
+                ends["after"] = time.monotonic() - start
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def app(endpoint):
+        return Starlette(routes=[Route("/v1/completions", endpoint, methods=["POST"])])
+
+    async def run():
+        ports = [free_port() for _ in range(3)]
+        router = Router([Backend(f"http://127.0.0.1:{ports[0]}", 1)], [Backend(f"http://127.0.0.1:{ports[1]}")])
+        router.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(), base_url="")
+        apps = [app(prefill), app(decode), build_app(router)]
+        servers = [
+            uvicorn.Server(uvicorn.Config(a, port=port, log_level="warning", lifespan="off"))
+            for a, port in zip(apps, ports, strict=True)
+        ]
+        serving = [asyncio.create_task(s.serve()) for s in servers]
+        try:
+            while not all(s.started for s in servers):
+                await asyncio.sleep(0.05)
+            reader, writer = await asyncio.open_connection("127.0.0.1", ports[2])
+            body = json.dumps({"prompt": "x", "stream": True}).encode()
+            head = "POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+            writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+            got = b""
+            while output_first and b'"t2"' not in got:  # (three events read)
+                got += await reader.read(4096)
+            if not output_first:
+                await asyncio.sleep(0.6)
+            writer.close()
+            for _ in range(60):
+                if "after" in ends:
+                    break
+                await asyncio.sleep(0.05)
+            return router
+        finally:
+            for s in servers:
+                s.should_exit = True
+            await asyncio.gather(*serving)
+
+    router = asyncio.run(run())
+    assert "finished" not in ends and ends["after"] < 2.5 and ("prefill gone" in ends) != output_first, ends
+    assert router.decode.backends[0].in_flight == 0
+
+
+def test_decode_headers_that_come_while_the_disconnect_is_checked_are_closed():
+    """The decode server's headers arrive while the router asks whether the client is still
+    there, and it is not: that response is closed (the decode server sees the disconnect)."""
+    import asyncio
+
+    from minengine.router import Backend, Router
+
+    closed = []
+
+    async def handler(request):
+        if request.url.host == "p":
+            await asyncio.sleep(30)
+
+        class Events(httpx.AsyncByteStream):
+            async def __aiter__(self):
+                await asyncio.sleep(30)
+                yield b"data: [DONE]\n\n"
+
+            async def aclose(self) -> None:
+                closed.append(True)
+
+        await asyncio.sleep(0.3)
+        return httpx.Response(200, stream=Events(), headers={"content-type": "text/event-stream"})
+
+    class Gone:
+        headers: dict = {}
+
+        async def body(self) -> bytes:
+            return b'{"prompt": "x", "stream": true}'
+
+        async def is_disconnected(self) -> bool:
+            await asyncio.sleep(0.2)  # (the headers come meanwhile)
+            return True
+
+    async def run():
+        router = Router([Backend("http://p", 1)], [Backend("http://d")])
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(_no_server_info(handler)))
+        r = await router.forward("/v1/completions", Gone())
+        await asyncio.sleep(0.1)
+        return router, r
+
+    router, r = asyncio.run(run())
+    assert r.status_code == 499 and closed == [True] and router.decode.backends[0].in_flight == 0
+
+
 def _silent_router(silent: str, stream: bool, timeout: float = 0.5):
     """A one-pair router with a request ``timeout`` over servers where ``silent`` ("p", "d" or
     "mid-stream": the decode server after its first piece) sends nothing more."""
@@ -938,9 +1063,13 @@ def test_health_checks_pass_a_failing_server_over_until_it_passes_again():
     assert picks() == {"http://d1", "http://d2"} and gauge()["http://d1"] == 1.0
     failing.update({"http://d1", "http://d2", "http://p"})
     asyncio.run(rounds(3))
-    assert picks() == {"http://d1", "http://d2"} and not router.decode.any_up()
-    assert set(gauge().values()) == {0.0}
+    assert picks() == {"http://d1", "http://d2"} and set(gauge().values()) == {0.0}
     assert router.prefill.pick("x").url == "http://p"
+    # every server failing its checks (as while they all start): a refusal still turns requests away
+    d1.unreachable(httpx.ConnectError("refused"))
+    assert picks() == {"http://d2"} and router.decode.any_up()
+    d2.unreachable(httpx.ConnectError("refused"))
+    assert picks() == {"http://d1", "http://d2"} and not router.decode.any_up()
 
 
 def test_output_watch_over_split_and_non_output_events():
