@@ -27,8 +27,9 @@
 # table), the rest of engine, disagg; tests again when a session has the time (the CUDA kernels
 # changed since they passed). A group's run cut off by the budget is lost whole (bench_serving
 # writes at its end).
-# Carry the `base` wheels for tests (FlashInfer's tests then skip: its JIT compiles would take
-# minutes of the phase) and the `flashinfer` ones for kernels and serving.
+# Carry the `base` wheels for tests (it deselects FlashInfer's tests: their JIT compiles would take
+# minutes of the phase) and the `flashinfer` ones for kernels and serving. GPU_SKIP="NAME ..."
+# skips steps already measured (the rest of engine: GPU_SKIP=bench_decode).
 #
 # The GPU machine is offline: `bash benchmarks/gpu_wheels.sh [base|flashinfer|disagg]` puts the
 # wheels its image lacks in .whl/ (the server stack, pyzmq, openai; FlashInfer; NIXL for disagg),
@@ -41,6 +42,11 @@ case $PHASE in
   tests | kernels | grid | engine | serving | disagg) ;;
   *) echo "unknown phase $PHASE; allowed: tests kernels grid engine serving disagg"; exit 2 ;;
 esac
+if [ "$PHASE" = serving ] && [ $# -eq 0 ]; then  # (before any install or build: a typo costs nothing)
+  echo "serving needs its groups, about what fits one call: 'backends' (FlashInfer's JIT warm-up, then"
+  echo "3 servers, ~400 s), 'overlap chunk' (5 servers, ~450 s), 'delayer' (2 servers, ~150 s)"
+  exit 2
+fi
 DEST=${OUT:-benchmarks/results}
 BUDGET=${GPU_PHASE_SECONDS:-520}
 START=$SECONDS
@@ -55,6 +61,9 @@ pack() { tar czf "$DEST/.gpu_${PHASE}.tgz.part" -C "$WORK" results logs && mv -f
 step() {
   local name=$1 budget begin rc
   shift
+  case " ${GPU_SKIP:-} " in  # steps already measured: GPU_SKIP="bench_decode ..."
+    *" $name "*) echo "$name: skipped (GPU_SKIP)" | tee -a "$WORK/logs/steps.txt"; return 0 ;;
+  esac
   budget=$(left)
   if [ "$budget" -lt 30 ]; then
     echo "$name: skipped, ${budget} s of the phase budget left" | tee -a "$WORK/logs/steps.txt"
@@ -66,7 +75,7 @@ step() {
   timeout -k 20 "$budget" "$@" > "$WORK/logs/$name.log" 2>&1
   rc=$?
   local verdict="exit $rc"
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict="STOPPED at the phase budget"
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict="STOPPED by its time limit"
   echo "$name: $verdict after $((SECONDS - begin)) s" | tee -a "$WORK/logs/steps.txt"
   tail -n 15 "$WORK/logs/$name.log"
   pack
@@ -74,6 +83,7 @@ step() {
 }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
+  rm -rf /tmp/site  # (a warm machine keeps an earlier call's wheels there: this call gets exactly its own)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
@@ -96,10 +106,13 @@ case $PHASE in
     # every param of the kernel tests (triton and the real cuda kernels), then the other GPU tests;
     # a module that cannot be collected (a missing wheel) is reported, not fatal
     # shellcheck disable=SC2086
-    step pytest_kernels python3 -m pytest -q $PYTEST_TIMEOUT $KERNEL_TESTS
+    # FlashInfer's tests are deselected (the serving phase runs them: their JIT compiles would take
+    # minutes of this one, if its wheels are there)
+    step pytest_kernels python3 -m pytest -q $PYTEST_TIMEOUT -k "not flashinfer" $KERNEL_TESTS
     ignore=$(for f in $KERNEL_TESTS; do printf -- "--ignore=%s " "$f"; done)
     # shellcheck disable=SC2086
-    step pytest_gpu python3 -m pytest -q $PYTEST_TIMEOUT -m gpu --continue-on-collection-errors tests $ignore
+    step pytest_gpu python3 -m pytest -q $PYTEST_TIMEOUT -m gpu -k "not flashinfer" \
+      --continue-on-collection-errors tests $ignore
     step memcheck bash profiles/memcheck.sh
     ;;
   kernels)
@@ -138,11 +151,6 @@ case $PHASE in
     step bench_offline python3 benchmarks/bench_offline.py --hf-model qwen3-0.6b --out "$WORK/results"
     ;;
   serving)
-    if [ $# -eq 0 ]; then  # all four take about 900 s and more: no call fits them
-      echo "serving needs its groups, about what fits one call: 'backends' (FlashInfer's JIT warm-up, then"
-      echo "3 servers, ~400 s), 'overlap chunk' (5 servers, ~450 s), 'delayer' (2 servers, ~150 s)"
-      exit 2
-    fi
     fi_tests=0
     case " $* " in
       *" backends "* | *" backends-eager "*)
