@@ -62,6 +62,7 @@ DOWN_SECONDS = 5.0
 ROLE_CHECK_SECONDS = 2.0  # for a server's /server_info, asked before its first request
 CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as long as generation does)
 DISCONNECT_POLL_SECONDS = 0.25  # how often a request not yet answered checks that its client is still there
+TOKENIZE_SECONDS = 60.0  # for /tokenize and /detokenize (no side effects: a silent server is passed for the next)
 MAX_ATTEMPTS = 3  # pairs a request may be sent to when servers refuse connections
 # connection failures where the server never saw the request: a refusal, or no answer to the connect
 # (a host that drops packets), which httpx does not count as a ConnectError
@@ -201,8 +202,15 @@ class Router:
             headers={"authorization": f"Bearer {api_key}"} if api_key is not None else None,
         )
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("minengine_router:requests", "requests routed", ["prefill", "decode"], registry=r)
-        self.failures = Counter("minengine_router:failures", "requests answered with an error", ["server"], registry=r)
+        self.requests = Counter(
+            "minengine_router:requests",
+            "requests sent to a pair (a retried one: once per pair)",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "minengine_router:failures", "requests answered with a server error (5xx)", ["server"], registry=r
+        )
         self.retries = Counter(
             "minengine_router:retries",
             "requests sent to another pair: a server refused them or answered 503",
@@ -284,6 +292,17 @@ class Router:
                 raise _Refused(server.url)
             self.failures.labels(server=server.url).inc()
             return error_response(502, why)
+        now = time.monotonic()
+        for server, kind in ((p, "prefill"), (d, "decode")):
+            # picked though it turned requests away lately: every server of its kind did. Unless it
+            # answers now, nothing is sent, where the other half would hold its KV pages for the
+            # bootstrap timeout waiting for this one
+            if server.down_until > now:
+                if not await self._passes(server.url, ROLE_CHECK_SECONDS):
+                    self.failures.labels(server=server.url).inc()
+                    why = f"turned requests away in the last {DOWN_SECONDS:g} s and does not pass /health now"
+                    return error_response(503, f"no {kind} server is up: {server.url} {why}")
+                server.down_until = 0.0
         self.requests.labels(prefill=p.url, decode=d.url).inc()
         boot = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port, "bootstrap_room": secrets.randbits(63)}
         prefill_body = {**body, **boot, "stream": False}
@@ -322,6 +341,7 @@ class Router:
 
     async def _unary(self, path, raw, d: Backend, body, prefill: asyncio.Task, p: Backend, retry: bool) -> Response:
         decode = asyncio.create_task(self.client.post(d.url + path, json=body))
+        decode.add_done_callback(_retrieved)  # (cancelled with its request, at a shutdown)
         try:
             while not decode.done():
                 await asyncio.wait({decode, prefill} if not prefill.done() else {decode}, timeout=0.05)
@@ -333,6 +353,9 @@ class Router:
                     decode.cancel()
                     prefill.cancel()
                     return Response(status_code=499)
+        except BaseException:
+            decode.cancel()
+            raise
         finally:
             d.in_flight -= 1
         refused = False
@@ -363,7 +386,7 @@ class Router:
             if (failed := self._prefill_failure(prefill, p)) is not None:
                 return self._prefill_failed(prefill, p, d, failed, retry=False)
         prefill.cancel()
-        self.failures.labels(server=d.url).inc()
+        self._count_failure(d, answer.status_code)
         return answer
 
     async def _stream(
@@ -387,6 +410,7 @@ class Router:
                     break
         except BaseException:  # cancelled: no decode request left behind
             headers.cancel()
+            self._close_if_answered(headers)
             d.in_flight -= 1
             raise
         if failed is not None or gone:
@@ -414,35 +438,44 @@ class Router:
                 prefill.cancel()
             if self._turned_away(retry, resp.status_code, d, self.decode):
                 raise _Refused(d.url)
-            self.failures.labels(server=d.url).inc()
+            self._count_failure(d, resp.status_code)
             return Response(content, status_code=resp.status_code, media_type="application/json")
 
         # Until the decode server streams output (the KV and the first token have landed) or the
         # prefill half succeeds, a failed prefill half is the cause of whatever the decode server
         # says next, and the answer. The events before (a chat stream's role) are held back, so a
         # rejection is the same error, with its status, as unstreamed, and a refusal is retried.
+        # A stream that ends (or breaks) before any output is answered as unstreamed too: its
+        # error event's code, or the decode server's failure, is the status. So is one whose
+        # prefill half ended 499: the decode server ended the pairing, and its events say why.
         chunks, head, output = resp.aiter_raw().__aiter__(), [], _OutputWatch()
         nxt: asyncio.Future | None = None  # the next piece, asked for and not yet passed on
-        handed = False
+        handed, ended_by_decode = False, False
         try:
             while not output.began:
-                if prefill.done():
+                if prefill.done() and not ended_by_decode:
                     if (failed := self._prefill_failure(prefill, p)) is not None:
                         return self._prefill_failed(prefill, p, d, failed, retry)
-                    break
+                    if not (ended_by_decode := _ended_by_decode(prefill)):
+                        break  # the KV is on its way: the stream goes on
                 if nxt is not None and nxt.done():  # the stream ended or broke first: the prefill half may say why
-                    await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)
                     if not prefill.done():
-                        break
-                    continue
+                        await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)
+                        if prefill.done():
+                            continue
+                    if (error := self._ended_early(nxt, head, d)) is not None:
+                        prefill.cancel()  # (it can never hand its KV over)
+                        return error
+                    break
                 nxt = nxt or asyncio.ensure_future(chunks.__anext__())
-                await asyncio.wait({nxt, prefill}, timeout=DISCONNECT_POLL_SECONDS, return_when="FIRST_COMPLETED")
+                waits = {nxt} if prefill.done() else {nxt, prefill}
+                await asyncio.wait(waits, timeout=DISCONNECT_POLL_SECONDS, return_when="FIRST_COMPLETED")
                 if nxt.done():
                     if nxt.exception() is None:
                         head.append(nxt.result())
                         output.feed(head[-1])
                         nxt = None
-                elif not prefill.done() and await raw.is_disconnected():
+                elif await raw.is_disconnected():
                     prefill.cancel()
                     return Response(status_code=499)
             handed = True
@@ -495,6 +528,30 @@ class Router:
 
         return StreamingResponse(relay(), media_type="text/event-stream", background=BackgroundTask(cleanup))
 
+    def _ended_early(self, nxt: asyncio.Future, head: list[bytes], d: Backend) -> Response | None:
+        """The answer for a decode stream that ended (``nxt`` raised) before any output: its
+        failure, or its last error event as an error response; None for a stream that ended
+        without an error (its events are passed on)."""
+        exc = nxt.exception()
+        if isinstance(exc, httpx.HTTPError):
+            self.failures.labels(server=d.url).inc()
+            return self._failed("decode", d, exc)
+        for event in reversed(b"".join(head).split(b"\n\n")):
+            data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
+            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+                error = json.loads(data)["error"]
+                status = error.get("code")
+                status = status if isinstance(status, int) and 400 <= status < 600 else 500
+                self._count_failure(d, status)
+                return Response(json.dumps({"error": error}), status_code=status, media_type="application/json")
+        return None
+
+    def _count_failure(self, server: Backend, status: int) -> None:
+        """A request answered with ``server``'s error: counted when it is a server error (a 4xx is
+        the client's)."""
+        if status >= 500:
+            self.failures.labels(server=server.url).inc()
+
     def _failed(self, kind: str, server: Backend, exc: BaseException) -> Response:
         """The answer for a call to the ``kind`` ("prefill" or "decode") server that raised ``exc``:
         a 504 when it sent nothing for the request timeout, else a 502."""
@@ -537,8 +594,8 @@ class Router:
         exc = prefill.exception()
         if self._refused(retry, exc, p, self.prefill) or self._turned_away(retry, failed.status_code, p, self.prefill):
             raise _Refused(p.url)
-        self.failures.labels(server=p.url).inc()
-        if failed.status_code < 500:
+        self._count_failure(p, failed.status_code)
+        if failed.status_code < 500 or exc is not None:  # (its own error: no KV handshake was the cause)
             return failed
         try:
             error = json.loads(failed.body)["error"]
@@ -546,6 +603,17 @@ class Router:
         except (ValueError, KeyError, TypeError):
             return failed
         return error_response(failed.status_code, message, error.get("param"))
+
+    def _close_if_answered(self, task: asyncio.Future) -> None:
+        """Close the streamed response ``task`` ends with, if any (its request was given up)."""
+
+        def done(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is None:
+                closing = asyncio.ensure_future(t.result().aclose())
+                self._background.add(closing)
+                closing.add_done_callback(self._background.discard)
+
+        task.add_done_callback(done)
 
     def _finish_in_background(self, task: asyncio.Task) -> None:
         """Let the prefill half end on its own (cancelling it would abort a finished transfer)."""
@@ -609,22 +677,25 @@ class Router:
     async def any_decode(self, path: str, body: bytes | None = None) -> Response:
         """``path`` (a GET; with a ``body``, a POST) answered by the first decode server that
         answers without a 5xx (those not marked down first): all serve one model and tokenizer.
-        A POST goes to the next server only when one refused it or answered a 5xx: one that took
-        it (and may still be working on it: a request's own chat template) answers it, however
-        long that takes."""
+        A POST goes to the next server only when one refused it, answered a 5xx or sent nothing
+        for ``TOKENIZE_SECONDS`` (it has no side effects)."""
         now = time.monotonic()
         up = self.decode.candidates(now)
         order = up + [b for b in self.decode.backends if b not in up]
         errors, answer = [], None
+        limit = httpx.Timeout(5.0) if body is None else httpx.Timeout(TOKENIZE_SECONDS, connect=CONNECT_SECONDS)
         for d in order:
             try:
                 if body is None:
-                    resp = await self.client.get(d.url + path, timeout=5)
+                    resp = await self.client.get(d.url + path, timeout=limit)
                 else:
                     headers = {"content-type": "application/json"}
-                    resp = await self.client.post(d.url + path, content=body, headers=headers)
+                    resp = await self.client.post(d.url + path, content=body, headers=headers, timeout=limit)
             except httpx.HTTPError as exc:
                 d.unreachable(exc)
+                if isinstance(exc, httpx.ReadTimeout):  # a stalled server: the next one may answer
+                    errors.append(f"the decode server {d.url} sent nothing for {limit.read:g} s")
+                    continue
                 errors.append(f"the decode server {d.url} failed: {exc!r}")
                 if body is not None and not isinstance(exc, NEVER_SENT):
                     break  # it had the request
@@ -680,6 +751,11 @@ def _is_output(event: bytes) -> bool:
         if text or c.get("finish_reason") is not None:
             return True
     return False
+
+
+def _ended_by_decode(task: asyncio.Task) -> bool:
+    """Whether a prefill half ended with its server's 499: the decode server ended the pairing."""
+    return not task.cancelled() and task.exception() is None and task.result().status_code == 499
 
 
 def _retrieved(future: asyncio.Future) -> None:
@@ -810,6 +886,7 @@ def _url(parser: argparse.ArgumentParser, flag: str, url: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args, prefills, decodes = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per upstream call and health check)
     checks = HealthChecks(
         args.health_check_interval_secs,
         args.health_check_timeout_secs,

@@ -695,7 +695,7 @@ def test_a_prefill_half_failing_before_the_output_is_a_streams_whole_answer(stat
     assert r.status_code == status and seconds < 5, r.text
     message = r.json()["error"]["message"]
     assert message.startswith("the prefill half failed") and ("went to http://d" in message) == (status >= 500)
-    assert _failures(router) == {"http://p": 1.0}
+    assert _failures(router) == ({"http://p": 1.0} if status >= 500 else {})  # (a 400 is the client's)
 
 
 def test_a_stream_that_ends_before_output_waits_a_moment_for_the_prefill_halfs_error():
@@ -717,22 +717,48 @@ def test_a_stream_that_ends_before_output_waits_a_moment_for_the_prefill_halfs_e
     assert r.status_code == 400 and "rejected by the prefill server" in r.text and seconds < 2
 
 
-def test_a_stream_that_ends_before_output_beside_a_silent_prefill_half_is_relayed():
+@pytest.mark.parametrize("prefill", ["silent", "ended by the decode server"])
+@pytest.mark.parametrize("ending", ["error event", "done", "broken"])
+def test_a_stream_that_ends_before_any_output_is_answered_as_unstreamed(prefill, ending):
+    """The decode stream ends before any output, beside a prefill half that stays silent (after
+    the grace) or that ended 499 (the decode server ended the pairing): nothing reached the client
+    yet, so an error event's code is the status, as unstreamed; a broken stream is a 502 naming
+    the decode server; a stream that ended without an error is passed on as it was."""
     import asyncio
 
     async def handler(request):
         if request.url.host == "p":
-            await asyncio.sleep(30)
+            if prefill == "silent":
+                await asyncio.sleep(30)
+            return httpx.Response(499, json={"error": {"message": "aborted by the decode server", "code": 499}})
 
         async def then():
-            yield b'data: {"error": {"message": "the decode server says no", "code": 503}}\n\ndata: [DONE]\n\n'
+            await asyncio.sleep(0.2)
+            if ending == "broken":
+                raise httpx.RemoteProtocolError("peer closed connection")
+            if ending == "error event":
+                yield b'data: {"error": {"message": "the decode server says no", "code": 503}}\n\n'
+            yield b"data: [DONE]\n\n"
 
         return _role_then(then)
 
-    r, seconds = _timed_post(handler, {"prompt": "x", "stream": True})
-    events = [line for line in r.text.splitlines() if line.startswith("data: ")]
-    assert r.status_code == 200 and len(events) == 3 and "decode server says no" in events[1], r.text
-    assert 1 < seconds < 10  # (the grace, then the stream as it was)
+    async def run():
+        router, http = _one_pair_router(handler)
+        async with http:
+            start = time.monotonic()
+            r = await http.post("/v1/completions", json={"prompt": "x", "stream": True}, timeout=30)
+            return router, r, time.monotonic() - start
+
+    router, r, seconds = asyncio.run(run())
+    assert seconds < 10 and (seconds > 1) == (prefill == "silent"), seconds  # (the grace)
+    if ending == "done":
+        events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and len(events) == 2 and '"role"' in events[0], r.text
+        assert _failures(router) == {}
+    else:
+        status, words = (503, "the decode server says no") if ending == "error event" else (502, "http://d failed")
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+        assert _failures(router) == {"http://d": 1.0}
 
 
 @pytest.mark.parametrize("phase", ["headers", "held"])
@@ -913,6 +939,47 @@ def test_decode_headers_that_come_while_the_disconnect_is_checked_are_closed():
 
     router, r = asyncio.run(run())
     assert r.status_code == 499 and closed == [True] and router.decode.backends[0].in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_cancelled_in_the_router_cancels_its_decode_half(stream):
+    """A request cancelled inside the router (its task: the router shutting down) cancels the
+    decode half it sent, not only the prefill half."""
+    import asyncio
+
+    from minengine.router import Backend, Router
+
+    cancelled = []
+
+    async def handler(request):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(request.url.host)
+            raise
+
+    class Client:
+        headers: dict = {}
+
+        async def body(self) -> bytes:
+            return json.dumps({"prompt": "x", "stream": stream}).encode()
+
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def run():
+        router = Router([Backend("http://p", 1)], [Backend("http://d")])
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(_no_server_info(handler)))
+        task = asyncio.create_task(router.forward("/v1/completions", Client()))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        return router, sorted(cancelled)  # (before asyncio.run cancels whatever is left)
+
+    router, halves = asyncio.run(run())
+    assert halves == ["d", "p"]
+    assert router.prefill.backends[0].in_flight == router.decode.backends[0].in_flight == 0
 
 
 def _silent_router(silent: str, stream: bool, timeout: float = 0.5):
@@ -1231,6 +1298,46 @@ def test_when_every_server_of_a_kind_refuses_the_client_gets_the_error():
     assert _retries(router) == {"http://p1": 1.0}
 
 
+def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again():
+    """Every prefill server refused lately: a request is answered 503 at once, after a /health
+    probe of the one picked, and no decode half is sent (it would hold its KV pages for the
+    bootstrap timeout). Once the probe passes, requests flow again."""
+    import asyncio
+
+    seen, back = [], []
+
+    async def handler(request):
+        seen.append((request.url.host, request.url.path))
+        if request.url.host.startswith("p") and not back:
+            raise httpx.ConnectError("connection refused")
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.host.startswith("p"):
+            return httpx.Response(200, json={"choices": [{"text": "a"}]})
+        await asyncio.sleep(0.1)
+        return httpx.Response(200, json={"choices": [{"text": "ab"}]})
+
+    async def run():
+        router, http = _two_pair_router(handler)
+        async with http:
+            first = await http.post("/v1/completions", json={"prompt": "x"})
+            decodes = [h for h, path in seen if h.startswith("d") and path != "/health"]
+            seen.clear()
+            second = await http.post("/v1/completions", json={"prompt": "y"})
+            during = list(seen)
+            back.append(True)
+            third = await http.post("/v1/completions", json={"prompt": "z"})
+        return router, first, decodes, second, during, third
+
+    router, first, decodes, second, during, third = asyncio.run(run())
+    message = first.json()["error"]["message"]
+    assert first.status_code == 502 and "prefill server http://p2 failed" in message and "decode half" not in message
+    assert len(decodes) == 2  # (the first request's halves went out together, as before)
+    assert second.status_code == 503 and "no prefill server is up" in second.json()["error"]["message"]
+    assert during == [(during[0][0], "/health")] and during[0][0].startswith("p")  # one probe, nothing sent
+    assert third.status_code == 200 and '"ab"' in third.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_prefill_half_its_server_aborted_ends_the_request_at_once(stream):
     """A prefill server that shuts down answers its half 200 with finish_reason "abort": no KV
@@ -1387,9 +1494,10 @@ def test_models_comes_from_any_decode_server_that_answers():
 
 
 def test_a_tokenize_post_goes_on_only_past_a_server_that_never_had_it():
-    """/tokenize through the router: a refused connection goes to the next decode server; a server
-    that took the request and then failed to answer in time does not (it may still be working
-    on it), and the client gets a 502 naming it."""
+    """/tokenize through the router: a refused connection goes to the next decode server, and so
+    does a server that sent nothing for TOKENIZE_SECONDS (a stalled one: tokenizing has no side
+    effects); one that took the request and then broke does not, and the client gets a 502
+    naming it."""
     import asyncio
 
     seen = []
@@ -1402,15 +1510,22 @@ def test_a_tokenize_post_goes_on_only_past_a_server_that_never_had_it():
 
     async def slow(request):
         seen.append(request.url.host)
-        raise httpx.ReadTimeout("no answer")
+        if request.url.host == "d1":
+            raise httpx.ReadTimeout("no answer")
+        return httpx.Response(200, json={"tokens": [1], "from": request.url.host})
+
+    async def broken(request):
+        seen.append(request.url.host)
+        raise httpx.RemoteProtocolError("peer closed connection")
 
     async def one(handler):
         _, http = _two_pair_router(handler)
         async with http:
             return await http.post("/tokenize", json={"prompt": "x"}, timeout=10)
 
-    r = asyncio.run(one(refusing))
-    assert r.status_code == 200 and r.json()["from"] == "d2" and seen == ["d1", "d2"]
-    seen.clear()
-    r = asyncio.run(one(slow))
-    assert r.status_code == 502 and "ReadTimeout" in r.json()["error"]["message"] and seen == ["d1"]
+    for handler in (refusing, slow):
+        r = asyncio.run(one(handler))
+        assert r.status_code == 200 and r.json()["from"] == "d2" and seen == ["d1", "d2"]
+        seen.clear()
+    r = asyncio.run(one(broken))
+    assert r.status_code == 502 and "http://d1 failed: RemoteProtocolError" in r.text and seen == ["d1"]
