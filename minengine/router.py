@@ -11,8 +11,8 @@ its error is the answer. A client that goes away cancels both halves. A server t
 refuses the connection never saw the request, and one that answers 503 (shutting down) ran none
 of it, so the request goes to another pair (both halves again, with a new room) while another
 server of that kind is up, up to ``MAX_ATTEMPTS`` pairs.
-A streamed answer is held back until it carries output or the prefill half has succeeded, so a
-rejection is the same error (and status) streamed or not. With SGLang's router's flags: a server
+A streamed answer is held back until it carries output, so a rejection or a failure before the
+first token is the same error (and status) streamed or not. With SGLang's router's flags: a server
 that sends a request nothing for ``--request-timeout-secs`` fails it (504), and servers whose
 ``/health`` fails ``--health-failure-threshold`` periodic checks in a row are passed over until
 they pass ``--health-success-threshold`` in a row.
@@ -293,12 +293,15 @@ class Router:
             self.failures.labels(server=server.url).inc()
             return error_response(502, why)
         now = time.monotonic()
-        for server, kind in ((p, "prefill"), (d, "decode")):
+        for server, kind, picker in ((p, "prefill", self.prefill), (d, "decode", self.decode)):
             # picked though it turned requests away lately: every server of its kind did. Unless it
             # answers now, nothing is sent, where the other half would hold its KV pages for the
             # bootstrap timeout waiting for this one
             if server.down_until > now:
                 if not await self._passes(server.url, ROLE_CHECK_SECONDS):
+                    server.down_until = time.monotonic() + DOWN_SECONDS  # (probed again after, not sent to)
+                    if retry and picker.any_up():  # (one came back while this request waited)
+                        raise _Refused(server.url)
                     self.failures.labels(server=server.url).inc()
                     why = f"turned requests away in the last {DOWN_SECONDS:g} s and does not pass /health now"
                     return error_response(503, f"no {kind} server is up: {server.url} {why}")
@@ -445,19 +448,18 @@ class Router:
         # prefill half succeeds, a failed prefill half is the cause of whatever the decode server
         # says next, and the answer. The events before (a chat stream's role) are held back, so a
         # rejection is the same error, with its status, as unstreamed, and a refusal is retried.
-        # A stream that ends (or breaks) before any output is answered as unstreamed too: its
-        # error event's code, or the decode server's failure, is the status. So is one whose
-        # prefill half ended 499: the decode server ended the pairing, and its events say why.
+        # The stream is held until its first output even after the prefill half succeeded: one that
+        # ends (or breaks) before any output is answered as unstreamed too, its error event's code
+        # (or the decode server's failure) as the status.
         chunks, head, output = resp.aiter_raw().__aiter__(), [], _OutputWatch()
         nxt: asyncio.Future | None = None  # the next piece, asked for and not yet passed on
-        handed, ended_by_decode = False, False
+        handed, prefill_seen = False, False
         try:
             while not output.began:
-                if prefill.done() and not ended_by_decode:
+                if prefill.done() and not prefill_seen:
                     if (failed := self._prefill_failure(prefill, p)) is not None:
                         return self._prefill_failed(prefill, p, d, failed, retry)
-                    if not (ended_by_decode := _ended_by_decode(prefill)):
-                        break  # the KV is on its way: the stream goes on
+                    prefill_seen = True  # its KV is on its way (or the decode server ended the pairing)
                 if nxt is not None and nxt.done():  # the stream ended or broke first: the prefill half may say why
                     if not prefill.done():
                         await asyncio.wait({prefill}, timeout=PREFILL_GRACE_SECONDS)
@@ -683,7 +685,8 @@ class Router:
         up = self.decode.candidates(now)
         order = up + [b for b in self.decode.backends if b not in up]
         errors, answer = [], None
-        limit = httpx.Timeout(5.0) if body is None else httpx.Timeout(TOKENIZE_SECONDS, connect=CONNECT_SECONDS)
+        tokenize = min(TOKENIZE_SECONDS, self.timeout or TOKENIZE_SECONDS)
+        limit = httpx.Timeout(5.0) if body is None else httpx.Timeout(tokenize, connect=CONNECT_SECONDS)
         for d in order:
             try:
                 if body is None:
@@ -751,11 +754,6 @@ def _is_output(event: bytes) -> bool:
         if text or c.get("finish_reason") is not None:
             return True
     return False
-
-
-def _ended_by_decode(task: asyncio.Task) -> bool:
-    """Whether a prefill half ended with its server's 499: the decode server ended the pairing."""
-    return not task.cancelled() and task.exception() is None and task.result().status_code == 499
 
 
 def _retrieved(future: asyncio.Future) -> None:

@@ -717,12 +717,12 @@ def test_a_stream_that_ends_before_output_waits_a_moment_for_the_prefill_halfs_e
     assert r.status_code == 400 and "rejected by the prefill server" in r.text and seconds < 2
 
 
-@pytest.mark.parametrize("prefill", ["silent", "ended by the decode server"])
+@pytest.mark.parametrize("prefill", ["silent", "ended by the decode server", "succeeded"])
 @pytest.mark.parametrize("ending", ["error event", "done", "broken"])
 def test_a_stream_that_ends_before_any_output_is_answered_as_unstreamed(prefill, ending):
     """The decode stream ends before any output, beside a prefill half that stays silent (after
-    the grace) or that ended 499 (the decode server ended the pairing): nothing reached the client
-    yet, so an error event's code is the status, as unstreamed; a broken stream is a 502 naming
+    the grace), that ended 499 (the decode server ended the pairing) or that succeeded: nothing
+    reached the client yet, so an error event's code is the status, as unstreamed; a broken stream is a 502 naming
     the decode server; a stream that ended without an error is passed on as it was."""
     import asyncio
 
@@ -730,6 +730,8 @@ def test_a_stream_that_ends_before_any_output_is_answered_as_unstreamed(prefill,
         if request.url.host == "p":
             if prefill == "silent":
                 await asyncio.sleep(30)
+            if prefill == "succeeded":
+                return httpx.Response(200, json={"choices": [{"text": "a", "finish_reason": "length"}]})
             return httpx.Response(499, json={"error": {"message": "aborted by the decode server", "code": 499}})
 
         async def then():
@@ -1336,6 +1338,71 @@ def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again(
     assert second.status_code == 503 and "no prefill server is up" in second.json()["error"]["message"]
     assert during == [(during[0][0], "/health")] and during[0][0].startswith("p")  # one probe, nothing sent
     assert third.status_code == 200 and '"ab"' in third.text
+
+
+def test_a_failed_probe_passes_the_server_over_again(monkeypatch):
+    """A probe that fails passes the server over for another DOWN_SECONDS: a dead prefill server
+    gets probes, not requests with their decode halves, for as long as it stays dead."""
+    import asyncio
+
+    import minengine.router as router_module
+
+    monkeypatch.setattr(router_module, "DOWN_SECONDS", 0.3)
+    sent = []
+
+    async def handler(request):
+        if request.url.host == "p":
+            raise httpx.ConnectError("connection refused")
+        sent.append(request.url.path)
+        await asyncio.sleep(0.1)  # (waiting for the KV)
+        return httpx.Response(200, json={"choices": [{"text": "ab"}]})
+
+    async def run():
+        _, http = _one_pair_router(handler)
+        async with http:
+            answers = []
+            for i in range(8):
+                answers.append((await http.post("/v1/completions", json={"prompt": f"{i}"})).status_code)
+                await asyncio.sleep(0.2)
+            return answers
+
+    answers = asyncio.run(run())
+    assert answers[0] == 502 and set(answers[1:]) == {503} and sent == ["/v1/completions"], (answers, sent)
+
+
+def test_a_probe_that_fails_while_another_server_came_back_retries():
+    """The picked prefill server was passed over while this request waited for its role checks
+    (another request's refusal): its failed probe sends the request to another pair, not a 503."""
+    import asyncio
+
+    from minengine.router import Backend, Router, build_app
+
+    async def handler(request):
+        host, path = request.url.host, request.url.path
+        if host == "p1":
+            raise httpx.ConnectError("connection refused")
+        if path == "/server_info":
+            await asyncio.sleep(0.3 if host == "d1" else 0)  # (the first request waits here)
+            return httpx.Response(404)
+        if path == "/health":
+            return httpx.Response(200)
+        return httpx.Response(200, json={"choices": [{"text": "ab"}]})
+
+    async def run():
+        router = Router([Backend("http://p1", 1), Backend("http://p2", 2)], [Backend("http://d1")])
+        router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(router)), base_url="http://router")
+        router.prefill.backends[1].role_checked = True
+        prompt = "one prompt, so that both requests pick p1 by its prefix"
+        async with http:
+            waiting = asyncio.create_task(http.post("/v1/completions", json={"prompt": prompt}))
+            await asyncio.sleep(0.05)  # (it picked p1 and waits for d1's role)
+            router.decode.backends[0].role_checked = True
+            refused = await http.post("/v1/completions", json={"prompt": prompt})  # p1 refuses: retried on p2
+            return refused, await waiting
+
+    refused, waiting = asyncio.run(run())
+    assert refused.status_code == 200 and waiting.status_code == 200, (refused.text, waiting.text)
 
 
 @pytest.mark.parametrize("stream", [False, True])
