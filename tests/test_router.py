@@ -550,17 +550,24 @@ def _router_app(handler):
     return _one_pair_router(handler)[1]
 
 
-def _timed_post(handler, body: dict) -> tuple[httpx.Response, float]:
-    """A completion through a one-pair router over ``handler``, and the seconds it took."""
+def _routed_post(handler, body: dict, path: str = "/v1/completions"):
+    """A request through a one-pair router over ``handler``: the router, the response and the
+    seconds it took."""
     import asyncio
 
     async def run():
-        async with _router_app(handler) as http:
+        router, http = _one_pair_router(handler)
+        async with http:
             start = time.monotonic()
-            r = await http.post("/v1/completions", json=body, timeout=30)
-            return r, time.monotonic() - start
+            r = await http.post(path, json=body, timeout=30)
+            return router, r, time.monotonic() - start
 
     return asyncio.run(run())
+
+
+def _timed_post(handler, body: dict) -> tuple[httpx.Response, float]:
+    """A completion through a one-pair router over ``handler``, and the seconds it took."""
+    return _routed_post(handler, body)[1:]
 
 
 def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error():
@@ -683,15 +690,8 @@ def test_a_prefill_half_failing_before_the_output_is_a_streams_whole_answer(stat
 
         return _role_then(then)
 
-    async def run():
-        router, http = _one_pair_router(handler)
-        async with http:
-            start = time.monotonic()
-            body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
-            r = await http.post("/v1/chat/completions", json=body, timeout=30)
-            return router, r, time.monotonic() - start
-
-    router, r, seconds = asyncio.run(run())
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    router, r, seconds = _routed_post(handler, body, "/v1/chat/completions")
     assert r.status_code == status and seconds < 5, r.text
     message = r.json()["error"]["message"]
     assert message.startswith("the prefill half failed") and ("went to http://d" in message) == (status >= 500)
@@ -744,14 +744,7 @@ def test_a_stream_that_ends_before_any_output_is_answered_as_unstreamed(prefill,
 
         return _role_then(then)
 
-    async def run():
-        router, http = _one_pair_router(handler)
-        async with http:
-            start = time.monotonic()
-            r = await http.post("/v1/completions", json={"prompt": "x", "stream": True}, timeout=30)
-            return router, r, time.monotonic() - start
-
-    router, r, seconds = asyncio.run(run())
+    router, r, seconds = _routed_post(handler, {"prompt": "x", "stream": True})
     assert seconds < 10 and (seconds > 1) == (prefill == "silent"), seconds  # (the grace)
     if ending == "done":
         events = [line for line in r.text.splitlines() if line.startswith("data: ")]

@@ -1320,6 +1320,32 @@ def test_a_client_whose_sockets_cannot_bind_closes_its_context(tmp_path, monkeyp
     assert len(made) == 2
 
 
+def test_a_zmq_context_that_does_not_end_does_not_hold_the_server(tmp_path, monkeypatch, caplog):
+    """SchedulerClient.close waits at most TERM_SECONDS for its context to end (its term once hung
+    in CI after a worker failed to start), then says which sockets are still open."""
+    import zmq
+    import zmq.asyncio
+
+    import minengine.server.frontend as frontend
+    from minengine.server.metrics import Metrics
+
+    class Context(zmq.asyncio.Context):
+        def term(self) -> None:  # a term that never returns (until the test lets it)
+            released.wait(30)
+            super().term()
+
+    released = threading.Event()
+    monkeypatch.setattr(zmq.asyncio, "Context", Context)
+    monkeypatch.setattr(frontend, "TERM_SECONDS", 0.5)
+    client = frontend.SchedulerClient([f"ipc://{tmp_path}/r0"], f"ipc://{tmp_path}/out", Metrics())
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="minengine.server.frontend"):
+        client.close()
+    released.set()
+    assert time.monotonic() - start < 3
+    assert "did not end within 0.5 s; sockets still open: []" in caplog.text
+
+
 def test_workers_that_cannot_start_end_the_server_in_one_line(monkeypatch, capsys):
     import minengine.server.workers
     from minengine import serve
