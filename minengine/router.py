@@ -539,13 +539,14 @@ class Router:
             self.failures.labels(server=d.url).inc()
             return self._failed("decode", d, exc)
         for event in reversed(b"".join(head).split(b"\n\n")):
-            data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
-            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-                error = json.loads(data)["error"]
-                status = error.get("code")
-                status = status if isinstance(status, int) and 400 <= status < 600 else 500
-                self._count_failure(d, status)
-                return Response(json.dumps({"error": error}), status_code=status, media_type="application/json")
+            body = _event_json(event)
+            error = body.get("error") if isinstance(body, dict) else None
+            if not isinstance(error, dict):
+                continue
+            status = error.get("code")
+            status = status if isinstance(status, int) and 400 <= status < 600 else 500
+            self._count_failure(d, status)
+            return Response(json.dumps({"error": error}), status_code=status, media_type="application/json")
         return None
 
     def _count_failure(self, server: Backend, status: int) -> None:
@@ -737,11 +738,20 @@ class _OutputWatch:
             self._buffer = b""
 
 
-def _is_output(event: bytes) -> bool:
+def _event_json(event: bytes) -> object:
+    """What an event stream's event carries in its data lines, parsed; None for [DONE] or what is
+    not JSON."""
     data = b"".join(line[5:].strip() for line in event.splitlines() if line.startswith(b"data:"))
     try:
-        choices = json.loads(data).get("choices") or []
-    except (ValueError, AttributeError):  # [DONE], an error object's shape aside, or not JSON
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _is_output(event: bytes) -> bool:
+    body = _event_json(event)
+    choices = body.get("choices") if isinstance(body, dict) else None  # (an error object has none)
+    if not isinstance(choices, list):
         return False
     for c in choices:
         if not isinstance(c, dict):
