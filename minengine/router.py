@@ -62,6 +62,7 @@ DOWN_SECONDS = 5.0
 ROLE_CHECK_SECONDS = 2.0  # for a server's /server_info, asked before its first request
 CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as long as generation does)
 DISCONNECT_POLL_SECONDS = 0.25  # how often a request not yet answered checks that its client is still there
+PENDING_CHECK_SECONDS = 5.0  # how often a server that has not passed a health check yet is checked (if sooner)
 TOKENIZE_SECONDS = 60.0  # for /tokenize and /detokenize (no side effects: a silent server is passed for the next)
 MAX_ATTEMPTS = 3  # pairs a request may be sent to when servers refuse connections
 # connection failures where the server never saw the request: a refusal, or no answer to the connect
@@ -77,7 +78,9 @@ class Backend:
     prefixes: OrderedDict = field(default_factory=OrderedDict)
     down_until: float = 0.0  # monotonic time: it refused a connection (or its role), so it is passed over until then
     role_checked: bool = False  # its /server_info matched its role here (until it next refuses a connection)
-    healthy: bool = True  # by the periodic health checks (``Router.check_health``)
+    # by the periodic health checks (``Router.check_health``): pending until the first one passes
+    healthy: bool = False
+    pending: bool = True
     streak: int = 0  # health checks in a row whose answer differs from ``healthy``
 
     def unreachable(self, exc: BaseException | None) -> None:
@@ -128,8 +131,8 @@ class Picker:
 
     def candidates(self, now: float) -> list[Backend]:
         """The servers to pick from, best tier first: those that pass their health checks and
-        have not refused a connection lately; else those that have not refused one (with every
-        server failing its checks, as while they all start, a refusal still turns a request to
+        have not refused a connection lately; else those that have not refused one (with no
+        server passing its checks, as while they all start, a refusal still turns a request to
         another); else all (their errors are the answers)."""
         live = [b for b in self.backends if b.down_until <= now]
         return [b for b in live if b.healthy] or live or self.backends
@@ -179,7 +182,7 @@ class HealthChecks:
     interval: float = 60.0  # seconds between rounds
     timeout: float = 5.0  # for one answer
     failure_threshold: int = 3  # failures in a row that make a healthy server unhealthy
-    success_threshold: int = 2  # passes in a row that make an unhealthy server healthy
+    success_threshold: int = 2  # passes in a row that make an unhealthy server healthy (a pending one: 1)
 
 
 class Router:
@@ -221,7 +224,7 @@ class Router:
             "minengine_router:server_healthy", "1 while a server passes its health checks", ["server"], registry=r
         )
         for b in (*prefills, *decodes):
-            self.healthy.labels(server=b.url).set(1)
+            self.healthy.labels(server=b.url).set(0)
         self._background: set[asyncio.Task] = set()
 
     async def forward(self, path: str, raw: Request) -> Response:
@@ -633,39 +636,60 @@ class Router:
         except httpx.HTTPError:
             return False
 
-    async def check_health(self) -> None:
-        """One round of health checks: a server that fails ``failure_threshold`` in a row is
-        passed over (while any other of its kind is not) until it passes ``success_threshold`` in
-        a row. A server that stalls (stopped, or its event loop stuck) still accepts connections,
-        so only its ``/health`` shows that it is gone."""
-        cfg = self.health_checks
+    async def check_health(self, pending_only: bool = False) -> None:
+        """One round of health checks. A server is pending until it first passes one (it may
+        still be loading its model, or be stalled since before the router started): until then
+        it is passed over while another of its kind passes. After that, a server that fails
+        ``failure_threshold`` in a row is passed over until it passes ``success_threshold`` in a
+        row. A server that stalls (stopped, or its event loop stuck) also accepts connections, so
+        only its ``/health`` shows that it is gone. ``pending_only``: check the pending ones only."""
         roles = [(b, "prefill") for b in self.prefill.backends] + [(b, "decode") for b in self.decode.backends]
-        passed = await asyncio.gather(*(self._passes(b.url, cfg.timeout) for b, _ in roles))
-        for (b, role), ok in zip(roles, passed, strict=True):
-            b.streak = 0 if ok == b.healthy else b.streak + 1
-            if b.streak < (cfg.success_threshold if ok else cfg.failure_threshold):
-                continue
-            b.healthy, b.streak = ok, 0
-            self.healthy.labels(server=b.url).set(int(ok))
+        # each answer counts as it comes (a server that answers nothing holds up no other)
+        await asyncio.gather(*(self._check(b, role) for b, role in roles if b.pending or not pending_only))
+
+    async def _check(self, b: Backend, role: str) -> None:
+        cfg = self.health_checks
+        ok = await self._passes(b.url, cfg.timeout)
+        if b.pending:  # (no failure of its own to outweigh: one pass is enough)
             if ok:
-                logger.warning("the %s server %s passes its health checks again", role, b.url)
-            else:
-                logger.error(
-                    "the %s server %s failed %d health checks in a row: passed over until it passes %d",
-                    role,
-                    b.url,
-                    cfg.failure_threshold,
-                    cfg.success_threshold,
-                )
+                b.pending, b.healthy = False, True
+                self.healthy.labels(server=b.url).set(1)
+                logger.info("the %s server %s passes its first health check", role, b.url)
+            return
+        b.streak = 0 if ok == b.healthy else b.streak + 1
+        if b.streak < (cfg.success_threshold if ok else cfg.failure_threshold):
+            return
+        b.healthy, b.streak = ok, 0
+        self.healthy.labels(server=b.url).set(int(ok))
+        if ok:
+            logger.warning("the %s server %s passes its health checks again", role, b.url)
+        else:
+            logger.error(
+                "the %s server %s failed %d health checks in a row: passed over until it passes %d",
+                role,
+                b.url,
+                cfg.failure_threshold,
+                cfg.success_threshold,
+            )
 
     async def watch_health(self) -> None:
-        """``check_health`` every ``interval`` seconds, from now on."""
+        """``check_health`` every ``interval`` seconds, from now on; in between, every
+        ``PENDING_CHECK_SECONDS``, the servers still pending (a server that has loaded its model
+        joins within seconds, not at the next round)."""
+        interval = self.health_checks.interval
+        next_round = time.monotonic()
         while True:
+            whole = time.monotonic() >= next_round
+            if whole:
+                next_round = time.monotonic() + interval
             try:
-                await self.check_health()
+                await self.check_health(pending_only=not whole)
             except Exception:  # (a bug here must not end the checks for good)
                 logger.exception("a round of health checks failed")
-            await asyncio.sleep(self.health_checks.interval)
+            wait = next_round - time.monotonic()
+            if any(b.pending for b in (*self.prefill.backends, *self.decode.backends)):
+                wait = min(wait, PENDING_CHECK_SECONDS)
+            await asyncio.sleep(max(wait, 0.0))
 
     async def health(self) -> Response:
         servers = [b.url for b in (*self.prefill.backends, *self.decode.backends)]

@@ -3,12 +3,14 @@ checked against a single server with the same checkpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -310,12 +312,22 @@ def test_dead_prefill_server(cluster):
 
 
 def test_a_dead_prefill_server_beside_a_live_one_fails_no_request(cluster):
-    """Real processes: the router tries the dead server first (round robin), is refused, and
-    sends the request to the live pair; every request is answered."""
-    dead = f"http://127.0.0.1:{free_port()}"
+    """Real processes. A server that never came up never passes a health check, so it gets no
+    requests. One that passed its checks and then died is tried (round robin), refuses, and the
+    request goes to the live pair: every request is answered."""
+    never = f"http://127.0.0.1:{free_port()}"
+    boot = free_port()
+    gone, gone_url = start_server(
+        *cluster["decode_flags"][:-2], "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)
+    )
     live = ["--prefill", cluster["prefill"], str(cluster["boot"])]
-    proc, url = start_router("--prefill", dead, str(free_port()), *live, "--decode", cluster["decode"])
+    proc, url = start_router(
+        "--prefill", never, str(free_port()), "--prefill", gone_url, str(boot), *live, "--decode", cluster["decode"]
+    )
     try:
+        healthy = f'minengine_router:server_healthy{{server="{gone_url}"}} 1.0'
+        assert wait_for(lambda: healthy in httpx.get(url + "/metrics").text, 20)
+        stop_server(gone)
         via, ref = client(url), client(cluster["single"])
         model = ref.models.list().data[0].id
         prompts = [f"retry {i}: the quick brown fox" for i in range(3)]
@@ -324,12 +336,18 @@ def test_a_dead_prefill_server_beside_a_live_one_fails_no_request(cluster):
         got.append("".join(c.choices[0].text for c in stream if c.choices))
         assert got == [ref.completions.create(model=model, prompt=p, **GREEDY).choices[0].text for p in prompts]
         # once, unless a request came over 5 s after the refusal (a slow machine): at most once each
-        line = f'minengine_router:retries_total{{server="{dead}"}} '
-        retries = [float(x.split()[-1]) for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith(line)]
-        assert retries and 1 <= retries[0] <= len(prompts)
+        text = httpx.get(url + "/metrics").text
+
+        def retries(server: str) -> float:
+            line = f'minengine_router:retries_total{{server="{server}"}} '
+            return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+        assert 1 <= retries(gone_url) <= len(prompts) and retries(never) == 0
+        assert f'minengine_router:server_healthy{{server="{never}"}} 0.0' in text
         assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]))
     finally:
         stop_server(proc)
+        stop_server(gone)
 
 
 def test_a_stopped_decode_server_times_out_its_request_and_is_passed_over(cluster):
@@ -1069,46 +1087,122 @@ def test_a_server_that_sends_nothing_for_the_request_timeout_fails_its_request(s
     assert _failures(router) == {server.split()[-1]: 1.0}
 
 
-def test_health_checks_pass_a_failing_server_over_until_it_passes_again():
-    """As SGLang's router: a server whose /health fails `failure_threshold` checks in a row is
-    passed over (a stalled server still accepts connections, so requests alone would not show it)
-    until it passes `success_threshold` in a row; with every server of a kind failing, they are
-    all used (their errors are the answers); the gauge follows."""
-    import asyncio
+def _checked_router() -> SimpleNamespace:
+    """A router over fake servers p, d1 and d2 that pass their health checks unless named in the
+    set ``failing`` (then a decode server answers 503 and p refuses) or ``stalled`` (no answer).
+    With its ``gauge`` by server, the decode servers it ``picks`` for 8 prompts, and the
+    ``checks`` each server got."""
+    from collections import Counter
 
     from minengine.router import Backend, HealthChecks, Router
 
-    failing = {"http://d1"}
+    h = SimpleNamespace(failing=set(), stalled=set(), checks=Counter())
 
     async def handler(request):
         url = f"http://{request.url.host}"
-        if url in failing:
+        h.checks[url] += 1
+        if url in h.stalled:
+            await asyncio.sleep(3600)
+        if url in h.failing:
             if url == "http://p":
                 raise httpx.ConnectError("refused")
             return httpx.Response(503, json={"error": {"message": "shutting down", "code": 503}})
         return httpx.Response(200)
 
-    d1, d2 = Backend("http://d1"), Backend("http://d2")
-    router = Router([Backend("http://p", 1)], [d1, d2], health_checks=HealthChecks(1, 1, 3, 2))
-    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    h.router = Router(
+        [Backend("http://p", 1)], [Backend("http://d1"), Backend("http://d2")], health_checks=HealthChecks(1, 1, 3, 2)
+    )
+    h.router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
     def gauge() -> dict[str, float]:
         from prometheus_client import generate_latest
 
-        text = generate_latest(router.registry).decode()
+        text = generate_latest(h.router.registry).decode()
         return {
             line.split('"')[1]: float(line.split()[-1])
             for line in text.splitlines()
             if line.startswith("minengine_router:server_healthy{")
         }
 
-    def picks() -> set[str]:
-        return {router.decode.pick(f"prompt {i} " * 5).url for i in range(8)}
+    h.gauge = gauge
+    h.picks = lambda: {h.router.decode.pick(f"prompt {i} " * 5).url for i in range(8)}
+    return h
+
+
+def test_a_server_is_pending_until_it_first_passes_a_health_check(monkeypatch):
+    """A server that has not passed a health check yet (still loading, or stalled since before
+    the router started) gets no requests while another of its kind passes; its first pass makes
+    it healthy, and until then it is checked every few seconds, not once a round. Each answer
+    counts as it comes: a server that answers nothing holds up no other."""
+    from minengine import router as router_mod
+
+    h = _checked_router()
+    router = h.router
+    assert set(h.gauge().values()) == {0.0}
+    assert h.picks() == {"http://d1", "http://d2"}  # none passes yet: all are used
+    h.failing.add("http://d1")
+    asyncio.run(router.check_health())
+    assert h.picks() == {"http://d2"} and h.gauge() == {"http://p": 1.0, "http://d1": 0.0, "http://d2": 1.0}
+    for _ in range(5):  # (more failures than the threshold: still pending, not unhealthy)
+        asyncio.run(router.check_health(pending_only=True))
+    assert h.picks() == {"http://d2"} and h.checks == {"http://p": 1, "http://d1": 6, "http://d2": 1}
+    h.failing.clear()
+    asyncio.run(router.check_health(pending_only=True))
+    assert h.picks() == {"http://d1", "http://d2"} and set(h.gauge().values()) == {1.0}
+    h.failing.add("http://d1")  # no longer pending: one failure is not enough
+    asyncio.run(router.check_health())
+    assert h.picks() == {"http://d1", "http://d2"}
+
+    # a stalled server: the others count before its check ends
+    h = _checked_router()
+    h.stalled.add("http://d1")
+
+    async def first_round() -> set[str]:
+        checking = asyncio.create_task(h.router.check_health())
+        await asyncio.sleep(0.1)
+        picked = h.picks()
+        checking.cancel()
+        return picked
+
+    assert asyncio.run(first_round()) == {"http://d2"}
+
+    # watch_health: a round at once, then only the pending server, every PENDING_CHECK_SECONDS
+    h = _checked_router()
+    h.router.health_checks.interval = 100.0
+    monkeypatch.setattr(router_mod, "PENDING_CHECK_SECONDS", 0.02)
+    h.failing.add("http://d1")
+
+    async def watch(seconds: float) -> None:
+        task = asyncio.create_task(h.router.watch_health())
+        await asyncio.sleep(seconds)
+        task.cancel()
+
+    asyncio.run(watch(0.3))
+    assert h.checks["http://p"] == h.checks["http://d2"] == 1 and h.checks["http://d1"] >= 5, h.checks
+    h.failing.clear()
+    asyncio.run(watch(0.3))
+    assert h.checks["http://d2"] == 2 and h.picks() == {"http://d1", "http://d2"}, h.checks
+    d1_checks = h.checks["http://d1"]
+    asyncio.run(watch(0.3))  # (none pending: one round, then the interval)
+    assert h.checks["http://d1"] == d1_checks + 1, h.checks
+
+
+def test_health_checks_pass_a_failing_server_over_until_it_passes_again():
+    """As SGLang's router: a server whose /health fails `failure_threshold` checks in a row is
+    passed over (a stalled server still accepts connections, so requests alone would not show it)
+    until it passes `success_threshold` in a row; with every server of a kind failing, they are
+    all used (their errors are the answers); the gauge follows."""
+    h = _checked_router()
+    router, failing, gauge, picks = h.router, h.failing, h.gauge, h.picks
+    d1, d2 = router.decode.backends
 
     async def rounds(n: int) -> None:
         for _ in range(n):
             await router.check_health()
 
+    asyncio.run(rounds(1))
+    assert gauge() == {"http://p": 1.0, "http://d1": 1.0, "http://d2": 1.0}
+    failing.add("http://d1")
     asyncio.run(rounds(2))
     assert picks() == {"http://d1", "http://d2"}  # two failures: not yet
     asyncio.run(rounds(1))
