@@ -299,16 +299,18 @@ class Router:
         for server, kind, picker in ((p, "prefill", self.prefill), (d, "decode", self.decode)):
             # picked though it turned requests away lately: every server of its kind did. Unless it
             # answers now, nothing is sent, where the other half would hold its KV pages for the
-            # bootstrap timeout waiting for this one
+            # bootstrap timeout waiting for this one. The others are asked too (one may be back)
             if server.down_until > now:
-                if not await self._passes(server.url, ROLE_CHECK_SECONDS):
-                    server.down_until = time.monotonic() + DOWN_SECONDS  # (probed again after, not sent to)
-                    if retry and picker.any_up():  # (one came back while this request waited)
+                down = [b for b in picker.backends if b.down_until > now]
+                answers = await asyncio.gather(*(self._passes(b.url, ROLE_CHECK_SECONDS) for b in down))
+                for b, ok in zip(down, answers, strict=True):  # (passed over again until the next probe)
+                    b.down_until = 0.0 if ok else time.monotonic() + DOWN_SECONDS
+                if server.down_until:
+                    if retry and picker.any_up():  # (another one is back)
                         raise _Refused(server.url)
                     self.failures.labels(server=server.url).inc()
                     why = f"turned requests away in the last {DOWN_SECONDS:g} s and does not pass /health now"
                     return error_response(503, f"no {kind} server is up: {server.url} {why}")
-                server.down_until = 0.0
         self.requests.labels(prefill=p.url, decode=d.url).inc()
         boot = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port, "bootstrap_room": secrets.randbits(63)}
         prefill_body = {**body, **boot, "stream": False}
@@ -650,6 +652,8 @@ class Router:
     async def _check(self, b: Backend, role: str) -> None:
         cfg = self.health_checks
         ok = await self._passes(b.url, cfg.timeout)
+        if ok:  # (it answers now: a refusal before this no longer passes it over)
+            b.down_until = 0.0
         if b.pending:  # (no failure of its own to outweigh: one pass is enough)
             if ok:
                 b.pending, b.healthy = False, True

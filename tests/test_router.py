@@ -1152,6 +1152,13 @@ def test_a_server_is_pending_until_it_first_passes_a_health_check(monkeypatch):
     h.failing.add("http://d1")  # no longer pending: one failure is not enough
     asyncio.run(router.check_health())
     assert h.picks() == {"http://d1", "http://d2"}
+    router.decode.backends[0].unreachable(httpx.ConnectError("refused"))
+    assert h.picks() == {"http://d2"}
+    h.failing.clear()  # a check it passes: it answers now, so its refusal no longer passes it over
+    asyncio.run(router.check_health(pending_only=True))
+    assert h.picks() == {"http://d2"}  # (not checked: it is not pending)
+    asyncio.run(router.check_health())
+    assert h.picks() == {"http://d1", "http://d2"}
 
     # a stalled server: the others count before its check ends
     h = _checked_router()
@@ -1423,8 +1430,40 @@ def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again(
     assert first.status_code == 502 and "prefill server http://p2 failed" in message and "decode half" not in message
     assert len(decodes) == 2  # (the first request's halves went out together, as before)
     assert second.status_code == 503 and "no prefill server is up" in second.json()["error"]["message"]
-    assert during == [(during[0][0], "/health")] and during[0][0].startswith("p")  # one probe, nothing sent
+    assert sorted(during) == [("p1", "/health"), ("p2", "/health")]  # probes, nothing sent
     assert third.status_code == 200 and '"ab"' in third.text
+
+
+def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back():
+    """Every prefill server refused lately, and the one picked is still gone: the others are
+    probed too, and the request goes to one that answers (it was a 503 until their 5 s ended)."""
+    import asyncio
+
+    seen, back = [], {"p2"}
+
+    async def handler(request):
+        seen.append((request.url.host, request.url.path))
+        if request.url.host.startswith("p") and request.url.host not in back:
+            raise httpx.ConnectError("connection refused")
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.host.startswith("p"):
+            return httpx.Response(200, json={"choices": [{"text": "a"}]})
+        await asyncio.sleep(0.1)
+        return httpx.Response(200, json={"choices": [{"text": "ab"}]})
+
+    async def run():
+        router, http = _two_pair_router(handler)
+        for b in router.prefill.backends:
+            b.unreachable(httpx.ConnectError("refused"))
+        router.prefill._next = 0  # (p1 is picked first)
+        async with http:
+            return await http.post("/v1/completions", json={"prompt": "x"})
+
+    answer = asyncio.run(run())
+    assert answer.status_code == 200 and '"ab"' in answer.text, answer.text
+    assert ("p1", "/health") in seen and ("p1", "/v1/completions") not in seen
+    assert ("p2", "/v1/completions") in seen
 
 
 def test_a_failed_probe_passes_the_server_over_again(monkeypatch):
