@@ -12,6 +12,11 @@ import triton
 
 _TRUE = ("1", "true", "on", "yes")
 
+# Every launch asks for a * b + c fused into one FMA. Triton fuses by default up to 3.9, which
+# warns that 3.10's default is off; the kernels were designed and measured with fusion (the
+# online softmax's scale-and-subtract is one FFMA per score), so an upgrade must not change them.
+FP_FUSION = {"enable_fp_fusion": True}
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""

@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
+from triton_kernels._common import FP_FUSION
 from triton_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, pick_config
 from triton_kernels.input_ids import _gather_input_ids_kernel
 from triton_kernels.kv_cache import _store_kv_kernel
@@ -55,7 +56,7 @@ def compile_for_target(fn, arg_types: dict[str, str], constexprs: dict[str, Any]
         if arg_types[name].startswith("*") or name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=FP_FUSION | options)
 
 
 def _strides(fn) -> dict[str, str]:

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from triton_kernels._common import (
+    FP_FUSION,
     check_runnable,
     debug_checks,
     interpreter_problem,
@@ -545,6 +546,7 @@ def paged_attention(
         SLOT_I64=(dims.page_size - 1) * max(k_cache.stride(1), v_cache.stride(1)) >= 2**31,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **FP_FUSION,
     )
     if num_splits > 1:
         _merge_splits_kernel[(dims.num_tokens, dims.num_q_heads)](
@@ -559,5 +561,6 @@ def paged_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
             num_warps=4 if not interpret else 1,
+            **FP_FUSION,
         )
     return out

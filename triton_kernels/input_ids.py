@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._common import check_runnable, debug_checks, interpreting
+from triton_kernels._common import FP_FUSION, check_runnable, debug_checks, interpreting
 from triton_kernels.contract import check_gather_input_ids, check_gather_input_ids_values
 
 BLOCK = 1024
@@ -77,5 +77,6 @@ def gather_input_ids(
         out.stride(0),
         BLOCK=block,
         num_warps=1 if interpreting() else 4,
+        **FP_FUSION,
     )
     return out

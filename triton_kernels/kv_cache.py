@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._common import check_runnable, debug_checks, interpreting
+from triton_kernels._common import FP_FUSION, check_runnable, debug_checks, interpreting
 from triton_kernels.contract import check_store_kv, check_store_kv_values
 
 
@@ -96,4 +96,5 @@ def store_kv(
         BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1],
         num_warps=1 if interpreting() else 4,
+        **FP_FUSION,
     )

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._common import check_runnable, debug_checks
+from triton_kernels._common import FP_FUSION, check_runnable, debug_checks
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NORM_WIDTH = 65536  # one program holds a whole row
@@ -185,7 +185,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res = x if residual is None else residual
     _rms_norm_kernel[(rows,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(block), **FP_FUSION,
     )  # fmt: skip
     return out
 
@@ -237,7 +237,7 @@ def rotary(
         positions, q, k, cos, sin, q_weight if norm else q, k_weight if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), float(eps),
         HQ=hq, HK=k.shape[1], HALF=half, BLOCK_H=triton.next_power_of_2(max(hq, k.shape[1])),
-        BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=norm, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), HAS_NORM=norm, num_warps=4, **FP_FUSION,
     )  # fmt: skip
 
 
@@ -256,6 +256,6 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(n), 1024)
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **FP_FUSION
     )
     return out
