@@ -211,31 +211,13 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
 
 def triton_variants(batch, group: int) -> tuple:
     """The tile config pick_config chooses for a batch, and the ones timed beside it with
-    --triton-variants (named by how they differ; those equal to the pick or to an earlier one are
-    left out): stop 41's prefill tile parameters (2 stages, decodes in the prefill tile, 4 warps
-    for 64-row blocks) and each half of that change, and deeper-pipelined decode tiles. All run
-    the current kernel body (page ids a tile ahead, unmasked tiles below the diagonal), which has
-    no switch back: stop 41's own kernel is in its committed results, not in this run."""
+    --triton-variants (``attention.tile_variants``)."""
     from triton_kernels import attention
     from triton_kernels._common import interpreting, max_shared_memory
 
     head_dim, dtype, shared = batch.q.shape[-1], batch.q.dtype, max_shared_memory(batch.q.device)
     picked = attention.pick_config(batch.max_seqlen_q, group, head_dim, dtype, interpreting(), shared)
-    candidates = {
-        "2-stages": picked._replace(num_stages=2),
-        "one-tile": picked._replace(small_m=picked.block_m),
-        "stop41-tiles": picked._replace(
-            num_stages=2, small_m=picked.block_m, num_warps=8 if picked.block_m >= 128 else 4
-        ),
-        "3-stages": picked._replace(num_stages=3),
-        "8-warps-3-stages": picked._replace(num_warps=8, num_stages=3),
-        "tile-32-3-stages": picked._replace(tile_n=32, num_stages=3),
-    }
-    variants: dict[str, object] = {}
-    for name, cfg in candidates.items():
-        if cfg != picked and cfg not in variants.values():
-            variants[name] = cfg
-    return picked, variants
+    return picked, attention.tile_variants(picked)
 
 
 # in the grid's order: qwen3-0.6b last, since its keys in the tuning table (kind, dtype, head dim) are

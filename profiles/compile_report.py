@@ -4,6 +4,8 @@ Compiles for a GPU target on any machine (no GPU needed; see triton_kernels/aot.
 
     python profiles/compile_report.py                 # sm_90 and sm_80, the configs the launcher picks
     python profiles/compile_report.py --arch 90 --head-dims 128 --dtypes bf16
+    python profiles/compile_report.py --variants      # also the tile configs bench_attention.py
+                                                      # --triton-variants times beside each pick
     python profiles/compile_report.py --csrc          # the CUDA C++ kernels instead (needs nvcc)
 
 HGMMA in the mma column is Hopper's wgmma, HMMA is mma.sync; fp32 runs exact dots on FMA units.
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from triton_kernels.aot import compile_attention, resources
+from triton_kernels.attention import tile_variants
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 KINDS = (("decode", 1, 1), ("split", 1, 4), ("prefill", 2048, 1))  # (name, max_seqlen_q, num_splits)
@@ -84,36 +87,33 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[4])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--csrc", action="store_true", help="report csrc/paged_attention.cu (sm_80, sm_90a)")
+    parser.add_argument("--variants", action="store_true", help="also each pick's tile_variants (a row each)")
     args = parser.parse_args()
     if args.csrc:
         print(f"{'arch':>5} {'kernel':<18} {'regs':>5} {'spill':>6} {'arrive':>7}")
         for r in csrc_report(["80", "90a"]):
             print(f"{r['arch']:>5} {r['kernel']:<18} {r['regs']:>5} {r['spill']:>6} {r['arrive']:>7}", flush=True)
         return
-    header = ("arch", "dtype", "D", "grp", "kind", "BM", "TN", "warps", "regs", "spill", "smem", "mma")
-    print(" ".join(f"{h:>6}" for h in header))
+    header = ("arch", "dtype", "D", "grp", "kind", "BM", "TN", "warps", "stages", "regs", "spill", "smem", "mma")
+    print(" ".join(f"{h:>6}" for h in header), " variant")
     for arch in args.arch:
         for dt in args.dtypes:
             for d in args.head_dims:
                 for group in args.groups:
                     for kind, max_q, splits in KINDS:
-                        cfg, compiled = compile_attention(arch, DTYPES[dt], d, group, args.page_size, splits, max_q)
-                        r = resources(compiled)
-                        row = (
-                            arch,
-                            dt,
-                            d,
-                            group,
-                            kind,
-                            cfg.block_m,
-                            cfg.tile_n,
-                            cfg.num_warps,
-                            r["regs"],
-                            r["spill_bytes"],
-                            r["shared_bytes"],
-                            r["mma"],
-                        )
-                        print(" ".join(f"{v:>6}" for v in row), flush=True)
+                        shape = (arch, DTYPES[dt], d, group, args.page_size, splits, max_q)
+                        cfg, compiled = compile_attention(*shape)
+                        configs = {"": (cfg, compiled)}
+                        for name, other in (tile_variants(cfg) if args.variants else {}).items():
+                            try:
+                                configs[name] = (other, compile_attention(*shape, config=other)[1])
+                            except Exception as exc:  # noqa: BLE001 (out of resources: reported, the rest go on)
+                                print(f"{name}: {type(exc).__name__}: {exc}"[:200], flush=True)
+                        for name, (c, kernel) in configs.items():
+                            r = resources(kernel)
+                            row = (arch, dt, d, group, kind, c.block_m, c.tile_n, c.num_warps, c.num_stages)
+                            row += (r["regs"], r["spill_bytes"], r["shared_bytes"], r["mma"])
+                            print(" ".join(f"{v:>6}" for v in row), "", name, flush=True)
 
 
 if __name__ == "__main__":

@@ -114,3 +114,22 @@ def test_every_launch_asks_for_fp_fusion(monkeypatch, device):
     table = torch.randn(8, 32, **f32)
     layers.rotary(torch.tensor([0, 1], dtype=torch.int64, device=device), q, q[:, :1].clone(), table, table)
     assert launched == dict.fromkeys(kernels, True)
+
+
+def test_compile_report_lists_each_tile_variant():
+    """``profiles/compile_report.py --variants``: a row per variant that compiles (the configs
+    ``bench_attention.py --triton-variants`` times), after the launcher's own."""
+    import torch
+
+    from triton_kernels.attention import pick_config, tile_variants
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "profiles/compile_report.py", "--arch", "90", "--dtypes", "fp16", "--head-dims", "64"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([*cmd, "--variants"], capture_output=True, text=True, env=env, timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    prefill = [r for r in rows if r[4] == "prefill"]
+    picked = pick_config(2048, 4, 64, torch.float16, interpret=False)
+    assert [r[13] if len(r) > 13 else "" for r in prefill] == ["", *tile_variants(picked)], proc.stdout
+    assert all(int(r[9]) > 0 for r in rows)  # (registers read for each)

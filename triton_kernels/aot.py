@@ -73,10 +73,12 @@ def compile_attention(
     max_seqlen_q: int,
     num_kv_heads: int = 8,
     shared_memory: int = 1 << 30,
+    config=None,
 ):
     """The attention kernel as the launcher configures it for this call shape (on a device that
-    gives a program ``shared_memory`` bytes)."""
-    cfg = pick_config(max_seqlen_q, group, head_dim, dtype, interpret=False, shared_memory=shared_memory)
+    gives a program ``shared_memory`` bytes), or with the tile shapes ``config`` (an
+    ``AttentionConfig``) instead."""
+    cfg = config or pick_config(max_seqlen_q, group, head_dim, dtype, interpret=False, shared_memory=shared_memory)
     elem = "*" + TRITON_TYPES[dtype]
     types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), elem)
     types |= dict.fromkeys(("part_acc_ptr", "part_ml_ptr"), "*fp32")

@@ -420,6 +420,35 @@ def pick_config(
     return AttentionConfig(block_m, tile_n=32 if wide else 64, num_warps=8, num_stages=stages, small_m=group_rows)
 
 
+def tile_variants(picked: AttentionConfig) -> dict[str, AttentionConfig]:
+    """Tile configs to time beside ``picked`` (``bench_attention.py --triton-variants``) or to
+    compile (``profiles/compile_report.py --variants``), named by how they differ; those equal to
+    the pick or to an earlier one are left out: stop 41's prefill tile parameters (2 stages,
+    decodes in the prefill tile, 4 warps for 64-row blocks) and each half of that change,
+    deeper-pipelined decode tiles, and 128-key prefill tiles. All run the current kernel body
+    (page ids a tile ahead, unmasked tiles below the diagonal), which has no switch back: stop
+    41's own kernel is in its committed results."""
+    candidates = {
+        "2-stages": picked._replace(num_stages=2),
+        "one-tile": picked._replace(small_m=picked.block_m),
+        "stop41-tiles": picked._replace(
+            num_stages=2, small_m=picked.block_m, num_warps=8 if picked.block_m >= 128 else 4
+        ),
+        "3-stages": picked._replace(num_stages=3),
+        "8-warps-3-stages": picked._replace(num_warps=8, num_stages=3),
+        "tile-32-3-stages": picked._replace(tile_n=32, num_stages=3),
+        # half the prefill loop's trips, each wait covering twice the math (FlashInfer's and FA3's
+        # Hopper tiles are 128 keys wide): at bf16 D 128, 255 registers, 224 KB of shared memory and
+        # no spill on sm_90 with Triton 3.6 (3.9 spills 16 B)
+        "tile-128-3-stages": picked._replace(tile_n=128, num_stages=3),
+    }
+    variants: dict[str, AttentionConfig] = {}
+    for name, cfg in candidates.items():
+        if cfg != picked and cfg not in variants.values():
+            variants[name] = cfg
+    return variants
+
+
 def check_config(cfg: AttentionConfig, group: int) -> AttentionConfig:
     """A caller's tile shapes, as plain ints, or a ValueError naming the field, its value and what
     is allowed."""
