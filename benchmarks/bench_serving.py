@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -176,6 +177,7 @@ async def send(http: httpx.AsyncClient, args, req: Request) -> Result:
     return res
 
 
+CLIENT_POOLS = 16  # HTTP connection pools the requests are spread over (see run)
 COUNTER_WORDS = ("preempt", "prefix_cache", "cache_hit")  # the server counters a report keeps
 
 
@@ -205,7 +207,14 @@ async def run(args, dataset: list[Request], prompts: Prompts, arrivals: random.R
     ``arrivals`` draws only the gaps between requests (multi-turn follow-ups draw from the prompts'
     generator in completion order), so a seed gives the same arrival times in every run."""
     limits = httpx.Limits(max_connections=args.max_concurrency or 10_000, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as http:
+    # conversation i streams through pool i % CLIENT_POOLS: httpcore's pool scans its connections for
+    # each idle one whenever a request comes or goes (quadratic in the connections), which with one
+    # pool of 256 streams took about half of this client's CPU and delayed the chunks it timed
+    pools = [httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) for _ in range(CLIENT_POOLS)]
+    async with contextlib.AsyncExitStack() as stack:
+        for pool in pools:
+            await stack.enter_async_context(pool)
+        http = pools[0]
         for warm in dataset[: args.warmup_requests]:
             await send(http, args, Request(warm.prompt, min(warm.output_len, 16)))
         before = await counters(http, args.base_url)
@@ -214,7 +223,7 @@ async def run(args, dataset: list[Request], prompts: Prompts, arrivals: random.R
         bar = tqdm(total=total, desc="requests", disable=args.no_progress)
         results: list[Result] = []
 
-        async def conversation(req: Request) -> None:
+        async def conversation(req: Request, http: httpx.AsyncClient) -> None:
             while True:
                 async with gate:
                     res = await send(http, args, req)
@@ -227,8 +236,8 @@ async def run(args, dataset: list[Request], prompts: Prompts, arrivals: random.R
 
         tasks = []
         t0 = time.perf_counter()
-        for req in dataset:
-            tasks.append(asyncio.create_task(conversation(req)))
+        for i, req in enumerate(dataset):
+            tasks.append(asyncio.create_task(conversation(req, pools[i % CLIENT_POOLS])))
             if args.request_rate != float("inf"):  # mean gap 1 / rate; shape 1 is exponential (Poisson)
                 await asyncio.sleep(arrivals.gammavariate(args.burstiness, 1 / (args.request_rate * args.burstiness)))
         await asyncio.gather(*tasks)

@@ -752,3 +752,36 @@ def test_bench_attention_a_kernel_that_writes_nothing_has_a_nan_error(monkeypatc
                          bench.timer(device), ceilings)  # fmt: skip
     assert row["rel_err_vs_fp64"] < 1e-2 and row["cuda_rel_err_vs_fp64"] != row["cuda_rel_err_vs_fp64"]
     assert bench.wrong_output(row, "cuda") and not bench.wrong_output(row, "triton")
+
+
+def test_bench_serving_spreads_its_streams_over_connection_pools(monkeypatch):
+    """Conversation i streams through pool i % CLIENT_POOLS: httpcore scans a pool's connections for
+    each idle one whenever a request comes or goes, so one pool of 256 streams took about half of
+    the client's CPU (and delayed the chunks it timed)."""
+    import asyncio
+    import collections
+    import random
+
+    import httpx
+
+    bench = load_bench("bench_serving")
+    body = 'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":"b"}]}\n\ndata: [DONE]\n\n'
+    streams = collections.Counter()
+    real = httpx.AsyncClient
+
+    class Pool(real):
+        def __init__(self, timeout=None, limits=None):
+            def handler(request):
+                streams[id(self)] += request.url.path == "/v1/completions"
+                return httpx.Response(200, text=body if request.url.path == "/v1/completions" else "")
+
+            super().__init__(transport=httpx.MockTransport(handler), timeout=timeout)
+
+    monkeypatch.setattr(httpx, "AsyncClient", Pool)
+    argv = ["--base-url", "http://x", "--model", "m", "--num-prompts", str(2 * bench.CLIENT_POOLS),
+            "--random-input-len", "4", "--random-output-len", "2", "--warmup-requests", "0",
+            "--no-progress"]  # fmt: skip
+    args, rng = bench.parse_args(argv), random.Random(0)
+    prompts = bench.Prompts(None, rng)
+    results, _, _ = asyncio.run(bench.run(args, bench.build_dataset(args, prompts, rng), prompts, random.Random(1)))
+    assert all(r.ok for r in results) and sorted(streams.values()) == [2] * bench.CLIENT_POOLS
