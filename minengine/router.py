@@ -64,6 +64,7 @@ CONNECT_SECONDS = 10.0  # to open a connection to a server (answers may take as 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a request not yet answered checks that its client is still there
 PENDING_CHECK_SECONDS = 5.0  # how often a server that has not passed a health check yet is checked (if sooner)
 TOKENIZE_SECONDS = 60.0  # for /tokenize and /detokenize (no side effects: a silent server is passed for the next)
+CLIENT_POOLS = 16  # connection pools the calls to the servers are spread over (see Router.__init__)
 MAX_ATTEMPTS = 3  # pairs a request may be sent to when servers refuse connections
 # connection failures where the server never saw the request: a refusal, or no answer to the connect
 # (a host that drops packets), which httpx does not count as a ConnectError
@@ -198,12 +199,19 @@ class Router:
         piece) before its request fails; None: no limit."""
         self.prefill, self.decode = Picker(prefills), Picker(decodes)
         self.timeout, self.health_checks = timeout, health_checks or HealthChecks()
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS),
-            limits=httpx.Limits(max_connections=None),
-            # the servers' key is the router's own (one --api-key for the whole deployment)
-            headers={"authorization": f"Bearer {api_key}"} if api_key is not None else None,
-        )
+        # calls take the pools in turn (``client``): httpcore's pool scans its connections for each
+        # idle one whenever a request comes or goes (quadratic in its connections), which with one
+        # pool for 256 streams took about half the router's CPU
+        self.clients = [
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS),
+                limits=httpx.Limits(max_connections=None),
+                # the servers' key is the router's own (one --api-key for the whole deployment)
+                headers={"authorization": f"Bearer {api_key}"} if api_key is not None else None,
+            )
+            for _ in range(CLIENT_POOLS)
+        ]
+        self._next_client = 0
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "minengine_router:requests",
@@ -226,6 +234,16 @@ class Router:
         for b in (*prefills, *decodes):
             self.healthy.labels(server=b.url).set(0)
         self._background: set[asyncio.Task] = set()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The next of the connection pools, in turn."""
+        self._next_client = (self._next_client + 1) % len(self.clients)
+        return self.clients[self._next_client]
+
+    @client.setter
+    def client(self, client: httpx.AsyncClient) -> None:  # (one client for every call: tests)
+        self.clients, self._next_client = [client], 0
 
     async def forward(self, path: str, raw: Request) -> Response:
         try:
@@ -400,8 +418,9 @@ class Router:
     async def _stream(
         self, path, raw: Request, d: Backend, body, prefill: asyncio.Task, p: Backend, retry: bool
     ) -> Response:
-        request = self.client.build_request("POST", d.url + path, json=body)
-        headers = asyncio.ensure_future(self.client.send(request, stream=True))
+        http = self.client
+        request = http.build_request("POST", d.url + path, json=body)
+        headers = asyncio.ensure_future(http.send(request, stream=True))
         # the decode server answers once the request is admitted; a failed prefill half ends the wait
         failed, gone = None, False
         try:
@@ -740,7 +759,8 @@ class Router:
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
-        await self.client.aclose()
+        for client in self.clients:
+            await client.aclose()
 
 
 class _Refused(Exception):
