@@ -78,6 +78,7 @@ class Backend:
     in_flight: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)
     down_until: float = 0.0  # monotonic time: it refused a connection (or its role), so it is passed over until then
+    wrong_role: bool = False  # the reason for down_until is its role (a /health it passes does not clear it)
     role_checked: bool = False  # its /server_info matched its role here (until it next refuses a connection)
     # by the periodic health checks (``Router.check_health``): pending until the first one passes
     healthy: bool = False
@@ -89,8 +90,23 @@ class Backend:
         (a server that is down fails fast, so by load alone it would get most requests), and its
         role is checked again (it may come back with other flags)."""
         if isinstance(exc, NEVER_SENT):
-            self.down_until = time.monotonic() + DOWN_SECONDS
+            self.pass_over()
             self.role_checked = False
+
+    def pass_over(self, wrong_role: bool = False) -> None:
+        """No new requests for ``DOWN_SECONDS`` (unless every server of its kind is passed over)."""
+        self.down_until, self.wrong_role = time.monotonic() + DOWN_SECONDS, wrong_role
+
+    def role_fits(self) -> None:
+        """Its /server_info matches its role here: not asked again, and no longer passed over for it."""
+        self.role_checked = True
+        if self.wrong_role:
+            self.down_until, self.wrong_role = 0.0, False
+
+    def answers(self) -> None:
+        """It passed a /health: a refusal before no longer passes it over (its role still does)."""
+        if not self.wrong_role:
+            self.down_until = 0.0
 
     @property
     def host(self) -> str:
@@ -132,16 +148,19 @@ class Picker:
 
     def candidates(self, now: float) -> list[Backend]:
         """The servers to pick from, best tier first: those that pass their health checks and
-        have not refused a connection lately; else those that have not refused one (with no
-        server passing its checks, as while they all start, a refusal still turns a request to
-        another); else all (their errors are the answers)."""
+        have not refused a connection lately; else those that pass them but refused one (the
+        request probes them first: one may be back); else those that have not refused one (with
+        no server passing its checks, as while they all start, a refusal still turns a request
+        to another); else all (probed too; their errors are the answers)."""
         live = [b for b in self.backends if b.down_until <= now]
-        return [b for b in live if b.healthy] or live or self.backends
+        healthy = [b for b in self.backends if b.healthy and not b.wrong_role]
+        return [b for b in live if b.healthy] or healthy or live or self.backends
 
-    def pick(self, key: str) -> Backend:
+    def pick(self, key: str, among: list[Backend] | None = None) -> Backend:
+        """By shared prefix, else the least busy; from ``candidates``, or ``among``."""
         chain = prefix_chain(key)
         now = time.monotonic()
-        up = self.candidates(now)
+        up = among or self.candidates(now)
         least = min(b.in_flight for b in up)
         best, best_n = None, 0
         for b in up:
@@ -276,7 +295,7 @@ class Router:
         except Exception:  # (only a hint: any failure to ask is "cannot tell", and asked again next time)
             return None
         if resp.status_code == 404:  # a server without it: nothing to check, ever
-            server.role_checked = True
+            server.role_fits()
             return None
         mode = info.get("disaggregation_mode") if isinstance(info, dict) else None
         if mode is None:
@@ -290,7 +309,7 @@ class Router:
                 f"the prefill server {server.url} has --disaggregation-bootstrap-port {port}, but the router "
                 f"was given {server.bootstrap_port}: give it as --prefill {server.url} {port}"
             )
-        server.role_checked = True
+        server.role_fits()
         return None
 
     async def wrong_roles(self) -> list[str]:
@@ -302,33 +321,29 @@ class Router:
         """One attempt on a new pair; raises ``_Refused`` (the other half cancelled) when ``retry``
         and a server refused the connection or answered 503 while another of its kind is up."""
         p, d = self.prefill.pick(key), self.decode.pick(key)
+        for kind, picker, server in (("prefill", self.prefill, p), ("decode", self.decode, d)):
+            if server.down_until <= time.monotonic():
+                continue
+            # picked though it turned requests away lately: every server of its kind that passes its
+            # health checks did. Nothing is sent to one that does not answer now (the other half would
+            # hold its KV pages for the bootstrap timeout waiting for it): the first of them to pass a
+            # probe is taken, else one that did not turn requests away, if any
+            if (server := await self._answering(picker, key)) is None:
+                self.failures.labels(server=(p if kind == "prefill" else d).url).inc()
+                why = f"turned requests away in the last {DOWN_SECONDS:g} s and none passes /health now"
+                return error_response(503, f"no {kind} server is up: {', '.join(b.url for b in picker.backends)} {why}")
+            p, d = (server, d) if kind == "prefill" else (p, server)
         roles = (None, None)
         if not (p.role_checked and d.role_checked):  # (once per server: later requests pass straight on)
             roles = await asyncio.gather(self.wrong_role(p, "prefill"), self.wrong_role(d, "decode"))
         if (why := roles[0] or roles[1]) is not None:
             logger.error("%s", why)
             server, picker = (p, self.prefill) if roles[0] else (d, self.decode)
-            server.down_until = time.monotonic() + DOWN_SECONDS  # passed over, and asked again after
+            server.pass_over(wrong_role=True)  # (asked again after)
             if retry and picker.any_up():  # (nothing was sent: the request goes to another pair)
                 raise _Refused(server.url)
             self.failures.labels(server=server.url).inc()
             return error_response(502, why)
-        now = time.monotonic()
-        for server, kind, picker in ((p, "prefill", self.prefill), (d, "decode", self.decode)):
-            # picked though it turned requests away lately: every server of its kind did. Unless it
-            # answers now, nothing is sent, where the other half would hold its KV pages for the
-            # bootstrap timeout waiting for this one. The others are asked too (one may be back)
-            if server.down_until > now:
-                down = [b for b in picker.backends if b.down_until > now]
-                answers = await asyncio.gather(*(self._passes(b.url, ROLE_CHECK_SECONDS) for b in down))
-                for b, ok in zip(down, answers, strict=True):  # (passed over again until the next probe)
-                    b.down_until = 0.0 if ok else time.monotonic() + DOWN_SECONDS
-                if server.down_until:
-                    if retry and picker.any_up():  # (another one is back)
-                        raise _Refused(server.url)
-                    self.failures.labels(server=server.url).inc()
-                    why = f"turned requests away in the last {DOWN_SECONDS:g} s and does not pass /health now"
-                    return error_response(503, f"no {kind} server is up: {server.url} {why}")
         self.requests.labels(prefill=p.url, decode=d.url).inc()
         boot = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port, "bootstrap_room": secrets.randbits(63)}
         prefill_body = {**body, **boot, "stream": False}
@@ -346,6 +361,42 @@ class Router:
             prefill.cancel()
             raise
 
+    async def _answering(self, picker: Picker, key: str) -> Backend | None:
+        """Probe the ``/health`` of each server of ``picker`` passed over for turning requests away
+        (not for its role): the first to pass, else one that is not passed over (picked as usual),
+        else one passed over for its role (asked again: a 502 if it is still wrong), else None.
+        Probes still out when one passes go on in the background and count when they end."""
+        now = time.monotonic()
+        probes = {
+            asyncio.ensure_future(self._passes(b.url, ROLE_CHECK_SECONDS)): b
+            for b in picker.backends
+            if b.down_until > now and not b.wrong_role
+        }
+
+        def counted(probe: asyncio.Future) -> bool:
+            b = probes[probe]
+            if probe.cancelled() or not probe.result():
+                b.pass_over()  # (probed again after)
+                return False
+            b.answers()
+            return True
+
+        waiting, passed = set(probes), []
+        try:
+            while waiting and not passed:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                passed = [probes[t] for t in done if counted(t)]
+        finally:
+            for probe in waiting:
+                self._background.add(probe)
+                probe.add_done_callback(self._background.discard)
+                probe.add_done_callback(counted)
+        if passed:
+            return passed[0]
+        now = time.monotonic()
+        usable = [b for b in picker.backends if b.down_until <= now] or [b for b in picker.backends if b.wrong_role]
+        return picker.pick(key, among=usable) if usable else None
+
     @staticmethod
     def _refused(retry: bool, exc: BaseException | None, server: Backend, picker: Picker) -> bool:
         """Whether the request may go to another pair: ``server`` refused the connection (so it
@@ -362,7 +413,7 @@ class Router:
         over for a while either way."""
         if status != 503:
             return False
-        server.down_until = time.monotonic() + DOWN_SECONDS
+        server.pass_over()
         return retry and picker.any_up()
 
     async def _unary(self, path, raw, d: Backend, body, prefill: asyncio.Task, p: Backend, retry: bool) -> Response:
@@ -672,7 +723,7 @@ class Router:
         cfg = self.health_checks
         ok = await self._passes(b.url, cfg.timeout)
         if ok:  # (it answers now: a refusal before this no longer passes it over)
-            b.down_until = 0.0
+            b.answers()
         if b.pending:  # (no failure of its own to outweigh: one pass is enough)
             if ok:
                 b.pending, b.healthy = False, True
@@ -702,16 +753,17 @@ class Router:
         interval = self.health_checks.interval
         next_round = time.monotonic()
         while True:
-            whole = time.monotonic() >= next_round
+            started = time.monotonic()
+            whole = started >= next_round
             if whole:
-                next_round = time.monotonic() + interval
+                next_round = started + interval
             try:
                 await self.check_health(pending_only=not whole)
             except Exception:  # (a bug here must not end the checks for good)
                 logger.exception("a round of health checks failed")
             wait = next_round - time.monotonic()
             if any(b.pending for b in (*self.prefill.backends, *self.decode.backends)):
-                wait = min(wait, PENDING_CHECK_SECONDS)
+                wait = min(wait, started + PENDING_CHECK_SECONDS - time.monotonic())  # (from start to start)
             await asyncio.sleep(max(wait, 0.0))
 
     async def health(self) -> Response:

@@ -489,6 +489,8 @@ def test_server_roles_are_asked_once_and_again_after_a_refusal():
                 raise httpx.ReadTimeout("no answer")
             mode, port = modes[host]
             return httpx.Response(200, json={"disaggregation_mode": mode, "disaggregation_bootstrap_port": port})
+        if request.url.path == "/health":  # (a probe of a server passed over: it answers)
+            return httpx.Response(200)
         posts.append(host)
         if host == "d" and len(posts) == 6:
             raise httpx.ConnectError("connection refused")
@@ -1434,15 +1436,22 @@ def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again(
     assert third.status_code == 200 and '"ab"' in third.text
 
 
-def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back():
-    """Every prefill server refused lately, and the one picked is still gone: the others are
-    probed too, and the request goes to one that answers (it was a 503 until their 5 s ended)."""
-    import asyncio
+@pytest.mark.parametrize("attempts", [1, 3])
+def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back(monkeypatch, attempts):
+    """Every prefill server refused lately, and the one picked is still gone (its probe gets no
+    answer): the others are probed too, and the request goes at once to the first that answers,
+    within the same attempt (even the last one: it was a 503 until their 5 s ended). The probe
+    still out counts when it ends."""
+    import minengine.router as router_module
 
+    monkeypatch.setattr(router_module, "MAX_ATTEMPTS", attempts)
     seen, back = [], {"p2"}
 
     async def handler(request):
         seen.append((request.url.host, request.url.path))
+        if request.url.host == "p1" and request.url.path == "/health":
+            await asyncio.sleep(0.4)  # (a host that drops packets, until the probe's timeout)
+            raise httpx.ConnectTimeout("no answer")
         if request.url.host.startswith("p") and request.url.host not in back:
             raise httpx.ConnectError("connection refused")
         if request.url.path == "/health":
@@ -1454,16 +1463,74 @@ def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back():
 
     async def run():
         router, http = _two_pair_router(handler)
-        for b in router.prefill.backends:
+        p1, p2 = router.prefill.backends
+        for b in (p1, p2):
             b.unreachable(httpx.ConnectError("refused"))
         router.prefill._next = 0  # (p1 is picked first)
         async with http:
-            return await http.post("/v1/completions", json={"prompt": "x"})
+            start = time.monotonic()
+            answer = await http.post("/v1/completions", json={"prompt": "x"})
+            took = time.monotonic() - start
+            p1_before = p1.down_until
+            await asyncio.sleep(0.6)  # (p1's probe times out meanwhile: passed over from then on)
+        return router, answer, took, p1_before, p1.down_until
 
-    answer = asyncio.run(run())
+    router, answer, took, p1_before, p1_after = asyncio.run(run())
     assert answer.status_code == 200 and '"ab"' in answer.text, answer.text
+    assert took < 0.3, took  # (not after p1's probe)
     assert ("p1", "/health") in seen and ("p1", "/v1/completions") not in seen
-    assert ("p2", "/v1/completions") in seen
+    assert ("p2", "/v1/completions") in seen and _retries(router) == {}
+    assert p1_after > p1_before  # its late failure counted
+
+
+def test_a_server_that_refused_once_is_probed_before_one_that_never_passed_a_check():
+    """d1 passes its health checks but refused a connection a moment ago; d2 has never passed
+    one (it stalls): the request probes d1, which answers, and goes there, not to d2."""
+
+    async def handler(request):
+        host, path = request.url.host, request.url.path
+        if host == "d2":
+            await asyncio.sleep(3600)
+        if path == "/health":
+            return httpx.Response(200)
+        if host.startswith("p"):
+            return httpx.Response(200, json={"choices": [{"text": "a"}]})
+        return httpx.Response(200, json={"choices": [{"text": "ab"}]})
+
+    async def run():
+        router, http = _two_pair_router(handler)
+        for b in router.prefill.backends:
+            b.pending, b.healthy = False, True
+        d1, d2 = router.decode.backends
+        d1.pending, d1.healthy = False, True
+        d1.unreachable(httpx.ConnectError("refused"))
+        async with http:
+            ask = [http.post("/v1/completions", json={"prompt": f"x{i}"}) for i in range(3)]
+            answers = [await asyncio.wait_for(a, 3) for a in ask]  # (d2 would hold one for good)
+        return answers, router
+
+    answers, router = asyncio.run(run())
+    assert [a.status_code for a in answers] == [200] * 3
+    assert router.decode.backends[0].down_until == 0.0
+
+
+def test_a_passed_health_check_does_not_end_a_wrong_role_pass_over():
+    """A server passed over for its role still answers /health: neither a health check nor a
+    probe puts it back (only its /server_info, asked again, does)."""
+    from minengine.router import Backend, Router
+
+    async def handler(request):
+        return httpx.Response(200)
+
+    router = Router([Backend("http://p", 1)], [Backend("http://d1"), Backend("http://d2")])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    d1, d2 = router.decode.backends
+    d2.pass_over(wrong_role=True)
+    asyncio.run(router.check_health())
+    assert d1.healthy and d2.down_until > time.monotonic()
+    assert {router.decode.pick(f"prompt {i} " * 5).url for i in range(8)} == {"http://d1"}
+    d2.role_fits()
+    assert d2.down_until == 0.0 and not d2.wrong_role
 
 
 def test_a_failed_probe_passes_the_server_over_again(monkeypatch):
