@@ -1396,17 +1396,17 @@ def test_when_every_server_of_a_kind_refuses_the_client_gets_the_error():
     assert _retries(router) == {"http://p1": 1.0}
 
 
-def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again():
-    """Every prefill server refused lately: a request is answered 503 at once, after a /health
-    probe of the one picked, and no decode half is sent (it would hold its KV pages for the
-    bootstrap timeout). Once the probe passes, requests flow again."""
-    import asyncio
-
-    seen, back = [], []
+def _prefills_back(seen: list, back: set, stalled: str | None = None):
+    """A fake two-pair cluster's handler: prefill servers not in ``back`` refuse connections (the
+    ``stalled`` one's /health answers nothing for 0.4 s, then times out); the others answer, a
+    decode half after 0.1 s. Each call's (host, path) goes to ``seen``."""
 
     async def handler(request):
         seen.append((request.url.host, request.url.path))
-        if request.url.host.startswith("p") and not back:
+        if request.url.host == stalled and request.url.path == "/health":
+            await asyncio.sleep(0.4)  # (a host that drops packets, until the probe's timeout)
+            raise httpx.ConnectTimeout("no answer")
+        if request.url.host.startswith("p") and request.url.host not in back:
             raise httpx.ConnectError("connection refused")
         if request.url.path == "/health":
             return httpx.Response(200)
@@ -1414,6 +1414,16 @@ def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again(
             return httpx.Response(200, json={"choices": [{"text": "a"}]})
         await asyncio.sleep(0.1)
         return httpx.Response(200, json={"choices": [{"text": "ab"}]})
+
+    return handler
+
+
+def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again():
+    """Every prefill server refused lately: a request is answered 503 at once, after a /health
+    probe of the one picked, and no decode half is sent (it would hold its KV pages for the
+    bootstrap timeout). Once the probe passes, requests flow again."""
+    seen, back = [], set()
+    handler = _prefills_back(seen, back)
 
     async def run():
         router, http = _two_pair_router(handler)
@@ -1423,7 +1433,7 @@ def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again(
             seen.clear()
             second = await http.post("/v1/completions", json={"prompt": "y"})
             during = list(seen)
-            back.append(True)
+            back.update({"p1", "p2"})
             third = await http.post("/v1/completions", json={"prompt": "z"})
         return router, first, decodes, second, during, third
 
@@ -1445,21 +1455,8 @@ def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back(mon
     import minengine.router as router_module
 
     monkeypatch.setattr(router_module, "MAX_ATTEMPTS", attempts)
-    seen, back = [], {"p2"}
-
-    async def handler(request):
-        seen.append((request.url.host, request.url.path))
-        if request.url.host == "p1" and request.url.path == "/health":
-            await asyncio.sleep(0.4)  # (a host that drops packets, until the probe's timeout)
-            raise httpx.ConnectTimeout("no answer")
-        if request.url.host.startswith("p") and request.url.host not in back:
-            raise httpx.ConnectError("connection refused")
-        if request.url.path == "/health":
-            return httpx.Response(200)
-        if request.url.host.startswith("p"):
-            return httpx.Response(200, json={"choices": [{"text": "a"}]})
-        await asyncio.sleep(0.1)
-        return httpx.Response(200, json={"choices": [{"text": "ab"}]})
+    seen = []
+    handler = _prefills_back(seen, {"p2"}, stalled="p1")
 
     async def run():
         router, http = _two_pair_router(handler)
