@@ -219,8 +219,8 @@ class Router:
         self.prefill, self.decode = Picker(prefills), Picker(decodes)
         self.timeout, self.health_checks = timeout, health_checks or HealthChecks()
         # calls take the pools in turn (``client``): httpcore's pool scans its connections for each
-        # idle one whenever a request comes or goes (quadratic in its connections), which with one
-        # pool for 256 streams took about half the router's CPU
+        # idle one whenever a request comes or goes (quadratic in its connections); with one pool,
+        # 256 fake streams cost the router 30% more CPU and their TTFT 60% more
         self.clients = [
             httpx.AsyncClient(
                 timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS),
