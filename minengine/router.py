@@ -221,10 +221,12 @@ class Router:
         # calls take the pools in turn (``client``): httpcore's pool scans its connections for each
         # idle one whenever a request comes or goes (quadratic in its connections); with one pool,
         # 256 fake streams cost the router 30% more CPU and their TTFT 60% more
+        tls = httpx.create_ssl_context()  # (one for all: each client would load the CA bundle again)
         self.clients = [
             httpx.AsyncClient(
                 timeout=httpx.Timeout(timeout, connect=CONNECT_SECONDS),
                 limits=httpx.Limits(max_connections=None),
+                verify=tls,
                 # the servers' key is the router's own (one --api-key for the whole deployment)
                 headers={"authorization": f"Bearer {api_key}"} if api_key is not None else None,
             )
@@ -363,29 +365,36 @@ class Router:
 
     async def _answering(self, picker: Picker, key: str) -> Backend | None:
         """Probe the ``/health`` of each server of ``picker`` passed over for turning requests away
-        (not for its role): the first to pass, else one that is not passed over (picked as usual),
-        else one passed over for its role (asked again: a 502 if it is still wrong), else None.
-        Probes still out when one passes go on in the background and count when they end."""
+        (not for its role), and, where a server of the kind passes its health checks, of those that
+        do not (one may be stalled: a request sent there would wait out the request timeout). The
+        first to pass is taken, else one not passed over (as usual; where a server of the kind
+        passes its health checks, only such a one), else one passed over for its role (asked
+        again: a 502 if it is still wrong), else None. Probes still out when one passes go on in
+        the background and count when they end (unless something else marked the server since)."""
         now = time.monotonic()
+        some_healthy = any(b.healthy for b in picker.backends)
         probes = {
-            asyncio.ensure_future(self._passes(b.url, ROLE_CHECK_SECONDS)): b
+            asyncio.ensure_future(self._passes(b.url, ROLE_CHECK_SECONDS)): (b, b.down_until)
             for b in picker.backends
-            if b.down_until > now and not b.wrong_role
+            if not b.wrong_role and (b.down_until > now or (some_healthy and not b.healthy))
         }
 
         def counted(probe: asyncio.Future) -> bool:
-            b = probes[probe]
-            if probe.cancelled() or not probe.result():
+            b, marked = probes[probe]
+            ok = not probe.cancelled() and probe.result()
+            if b.down_until != marked:  # (a check, probe or role check since knows better)
+                return ok
+            if ok:
+                b.answers()
+            else:
                 b.pass_over()  # (probed again after)
-                return False
-            b.answers()
-            return True
+            return ok
 
         waiting, passed = set(probes), []
         try:
             while waiting and not passed:
                 done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                passed = [probes[t] for t in done if counted(t)]
+                passed = [probes[t][0] for t in done if counted(t)]
         finally:
             for probe in waiting:
                 self._background.add(probe)
@@ -394,7 +403,9 @@ class Router:
         if passed:
             return passed[0]
         now = time.monotonic()
-        usable = [b for b in picker.backends if b.down_until <= now] or [b for b in picker.backends if b.wrong_role]
+        live = [b for b in picker.backends if b.down_until <= now]
+        usable = [b for b in live if b.healthy] or ([] if some_healthy else live)
+        usable = usable or [b for b in picker.backends if b.wrong_role]
         return picker.pick(key, among=usable) if usable else None
 
     @staticmethod
@@ -778,12 +789,12 @@ class Router:
 
     async def any_decode(self, path: str, body: bytes | None = None) -> Response:
         """``path`` (a GET; with a ``body``, a POST) answered by the first decode server that
-        answers without a 5xx (those not marked down first): all serve one model and tokenizer.
+        answers without a 5xx (those not passed over first, of them those that pass their health
+        checks): all serve one model and tokenizer.
         A POST goes to the next server only when one refused it, answered a 5xx or sent nothing
         for ``TOKENIZE_SECONDS`` (it has no side effects)."""
         now = time.monotonic()
-        up = self.decode.candidates(now)
-        order = up + [b for b in self.decode.backends if b not in up]
+        order = sorted(self.decode.backends, key=lambda b: (b.down_until > now, not b.healthy))
         errors, answer = [], None
         tokenize = min(TOKENIZE_SECONDS, self.timeout or TOKENIZE_SECONDS)
         limit = httpx.Timeout(5.0) if body is None else httpx.Timeout(tokenize, connect=CONNECT_SECONDS)

@@ -770,7 +770,7 @@ def test_bench_serving_spreads_its_streams_over_connection_pools(monkeypatch):
     real = httpx.AsyncClient
 
     class Pool(real):
-        def __init__(self, timeout=None, limits=None):
+        def __init__(self, timeout=None, limits=None, verify=None):
             def handler(request):
                 streams[id(self)] += request.url.path == "/v1/completions"
                 return httpx.Response(200, text=body if request.url.path == "/v1/completions" else "")

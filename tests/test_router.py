@@ -1396,15 +1396,16 @@ def test_when_every_server_of_a_kind_refuses_the_client_gets_the_error():
     assert _retries(router) == {"http://p1": 1.0}
 
 
-def _prefills_back(seen: list, back: set, stalled: str | None = None):
+def _prefills_back(seen: list, back: set, stalled: str | None = None, released: list | None = None):
     """A fake two-pair cluster's handler: prefill servers not in ``back`` refuse connections (the
-    ``stalled`` one's /health answers nothing for 0.4 s, then times out); the others answer, a
-    decode half after 0.1 s. Each call's (host, path) goes to ``seen``."""
+    ``stalled`` one's /health answers nothing until ``released`` holds something, then times out);
+    the others answer, a decode half after 0.1 s. Each call's (host, path) goes to ``seen``."""
 
     async def handler(request):
         seen.append((request.url.host, request.url.path))
         if request.url.host == stalled and request.url.path == "/health":
-            await asyncio.sleep(0.4)  # (a host that drops packets, until the probe's timeout)
+            while not released:  # (a host that drops packets, until the probe's timeout)
+                await asyncio.sleep(0.01)
             raise httpx.ConnectTimeout("no answer")
         if request.url.host.startswith("p") and request.url.host not in back:
             raise httpx.ConnectError("connection refused")
@@ -1455,8 +1456,8 @@ def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back(mon
     import minengine.router as router_module
 
     monkeypatch.setattr(router_module, "MAX_ATTEMPTS", attempts)
-    seen = []
-    handler = _prefills_back(seen, {"p2"}, stalled="p1")
+    seen, released = [], []
+    handler = _prefills_back(seen, {"p2"}, stalled="p1", released=released)
 
     async def run():
         router, http = _two_pair_router(handler)
@@ -1465,16 +1466,17 @@ def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back(mon
             b.unreachable(httpx.ConnectError("refused"))
         router.prefill._next = 0  # (p1 is picked first)
         async with http:
-            start = time.monotonic()
-            answer = await http.post("/v1/completions", json={"prompt": "x"})
-            took = time.monotonic() - start
             p1_before = p1.down_until
-            await asyncio.sleep(0.6)  # (p1's probe times out meanwhile: passed over from then on)
-        return router, answer, took, p1_before, p1.down_until
+            answer = await http.post("/v1/completions", json={"prompt": "x"})  # (p1's probe still out)
+            released.append(True)  # p1's probe times out now: passed over from then on
+            for _ in range(100):
+                if p1.down_until != p1_before:
+                    break
+                await asyncio.sleep(0.01)
+        return router, answer, p1_before, p1.down_until
 
-    router, answer, took, p1_before, p1_after = asyncio.run(run())
+    router, answer, p1_before, p1_after = asyncio.run(run())
     assert answer.status_code == 200 and '"ab"' in answer.text, answer.text
-    assert took < 0.3, took  # (not after p1's probe)
     assert ("p1", "/health") in seen and ("p1", "/v1/completions") not in seen
     assert ("p2", "/v1/completions") in seen and _retries(router) == {}
     assert p1_after > p1_before  # its late failure counted
@@ -1509,6 +1511,47 @@ def test_a_server_that_refused_once_is_probed_before_one_that_never_passed_a_che
     answers, router = asyncio.run(run())
     assert [a.status_code for a in answers] == [200] * 3
     assert router.decode.backends[0].down_until == 0.0
+
+
+def test_a_stalled_server_gets_nothing_while_another_of_its_kind_passes_its_checks():
+    """d1 passes its health checks but refuses connections now (restarting); d2 has never passed
+    one and answers nothing (stopped since before the router started): its probe fails too, so the
+    request is a 503 at once (d2 would hold it for the request timeout), and d2 is passed over.
+    /v1/models and /tokenize ask a server not passed over first."""
+
+    async def handler(request):
+        host, path = request.url.host, request.url.path
+        seen.append((host, path))
+        if host == "d1":
+            raise httpx.ConnectError("connection refused")
+        if host == "d2" and path == "/health":
+            await asyncio.sleep(0.05)
+            raise httpx.ReadTimeout("no answer")
+        if host == "d2" and path == "/v1/completions":
+            await asyncio.sleep(3600)
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": []})
+        return httpx.Response(200, json={"choices": [{"text": "a"}]})
+
+    async def run():
+        router, http = _two_pair_router(handler)
+        for b in (*router.prefill.backends, router.decode.backends[0]):
+            b.pending, b.healthy = False, True
+        d1, d2 = router.decode.backends
+        d1.unreachable(httpx.ConnectError("refused"))
+        async with http:
+            answer = await asyncio.wait_for(http.post("/v1/completions", json={"prompt": "x"}), 3)
+            seen.clear()
+            d2.down_until = 0.0  # (d1 still passed over)
+            models = await http.get("/v1/models")
+        return answer, models, d2
+
+    seen = []
+    answer, models, d2 = asyncio.run(run())
+    assert answer.status_code == 503 and "no decode server is up" in answer.text, answer.text
+    assert models.status_code == 200 and seen == [("d2", "/v1/models")]
 
 
 def test_a_passed_health_check_does_not_end_a_wrong_role_pass_over():
