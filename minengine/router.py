@@ -84,6 +84,7 @@ class Backend:
     healthy: bool = False
     pending: bool = True
     streak: int = 0  # health checks in a row whose answer differs from ``healthy``
+    probe: asyncio.Future | None = field(default=None, repr=False, compare=False)  # (``Router._probe``)
 
     def unreachable(self, exc: BaseException | None) -> None:
         """Note a failed call: a connection error takes the server out of picking for a while
@@ -370,36 +371,18 @@ class Router:
         first to pass is taken, else one not passed over (as usual; where a server of the kind
         passes its health checks, only such a one), else one passed over for its role (asked
         again: a 502 if it is still wrong), else None. Probes still out when one passes go on in
-        the background and count when they end (unless something else marked the server since)."""
+        the background (``_probe``)."""
         now = time.monotonic()
         some_healthy = any(b.healthy for b in picker.backends)
         probes = {
-            asyncio.ensure_future(self._passes(b.url, ROLE_CHECK_SECONDS)): (b, b.down_until)
+            self._probe(b): b
             for b in picker.backends
             if not b.wrong_role and (b.down_until > now or (some_healthy and not b.healthy))
         }
-
-        def counted(probe: asyncio.Future) -> bool:
-            b, marked = probes[probe]
-            ok = not probe.cancelled() and probe.result()
-            if b.down_until != marked:  # (a check, probe or role check since knows better)
-                return ok
-            if ok:
-                b.answers()
-            else:
-                b.pass_over()  # (probed again after)
-            return ok
-
         waiting, passed = set(probes), []
-        try:
-            while waiting and not passed:
-                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                passed = [probes[t][0] for t in done if counted(t)]
-        finally:
-            for probe in waiting:
-                self._background.add(probe)
-                probe.add_done_callback(self._background.discard)
-                probe.add_done_callback(counted)
+        while waiting and not passed:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            passed = [probes[t] for t in done if _passed(t)]
         if passed:
             return passed[0]
         now = time.monotonic()
@@ -407,6 +390,28 @@ class Router:
         usable = [b for b in live if b.healthy] or ([] if some_healthy else live)
         usable = usable or [b for b in picker.backends if b.wrong_role]
         return picker.pick(key, among=usable) if usable else None
+
+    def _probe(self, b: Backend) -> asyncio.Future:
+        """The ``/health`` probe of ``b`` under way, else a new one: requests at once share it (an
+        outage does not send a probe per request). Its result counts once, as it ends, unless a
+        check, a probe or a role check marked ``b`` since it began."""
+        if b.probe is not None and not b.probe.done():
+            return b.probe
+        marked = b.down_until
+
+        def counted(probe: asyncio.Future) -> None:
+            if b.down_until != marked:
+                return
+            if _passed(probe):
+                b.answers()
+            else:
+                b.pass_over()  # (probed again after)
+
+        b.probe = probe = asyncio.ensure_future(self._passes(b.url, ROLE_CHECK_SECONDS))
+        probe.add_done_callback(counted)  # (first: before any request waiting on it reads it)
+        self._background.add(probe)
+        probe.add_done_callback(self._background.discard)
+        return probe
 
     @staticmethod
     def _refused(retry: bool, exc: BaseException | None, server: Backend, picker: Picker) -> bool:
@@ -881,6 +886,11 @@ def _retrieved(future: asyncio.Future) -> None:
     """Take a future's exception, if any: one left unread is logged as never retrieved."""
     if not future.cancelled():
         future.exception()
+
+
+def _passed(probe: asyncio.Future) -> bool:
+    """Whether a ``_probe`` that ended found its server answering."""
+    return not probe.cancelled() and probe.exception() is None and probe.result()
 
 
 def _prefill_ended(task: asyncio.Task, p: Backend) -> None:

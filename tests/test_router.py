@@ -1451,8 +1451,8 @@ def test_with_every_prefill_server_down_nothing_is_sent_until_one_answers_again(
 def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back(monkeypatch, attempts):
     """Every prefill server refused lately, and the one picked is still gone (its probe gets no
     answer): the others are probed too, and the request goes at once to the first that answers,
-    within the same attempt (even the last one: it was a 503 until their 5 s ended). The probe
-    still out counts when it ends."""
+    within the same attempt (even the last one: it was a 503 until their 5 s ended). Requests at
+    once share the probes; the probe still out counts when it ends."""
     import minengine.router as router_module
 
     monkeypatch.setattr(router_module, "MAX_ATTEMPTS", attempts)
@@ -1467,17 +1467,19 @@ def test_a_probe_asks_every_server_passed_over_and_sends_to_one_that_is_back(mon
         router.prefill._next = 0  # (p1 is picked first)
         async with http:
             p1_before = p1.down_until
-            answer = await http.post("/v1/completions", json={"prompt": "x"})  # (p1's probe still out)
-            released.append(True)  # p1's probe times out now: passed over from then on
+            answers = await asyncio.gather(*(http.post("/v1/completions", json={"prompt": f"x{i}"}) for i in range(4)))
+            released.append(True)  # p1's probe times out now (it was still out): passed over from then on
             for _ in range(100):
                 if p1.down_until != p1_before:
                     break
                 await asyncio.sleep(0.01)
-        return router, answer, p1_before, p1.down_until
+        return router, answers, p1_before, p1.down_until
 
-    router, answer, p1_before, p1_after = asyncio.run(run())
-    assert answer.status_code == 200 and '"ab"' in answer.text, answer.text
-    assert ("p1", "/health") in seen and ("p1", "/v1/completions") not in seen
+    router, answers, p1_before, p1_after = asyncio.run(run())
+    assert all(a.status_code == 200 and '"ab"' in a.text for a in answers), [a.text for a in answers]
+    # one probe of each, shared by the requests at once; nothing sent to p1
+    assert seen.count(("p1", "/health")) == seen.count(("p2", "/health")) == 1, seen
+    assert ("p1", "/v1/completions") not in seen
     assert ("p2", "/v1/completions") in seen and _retries(router) == {}
     assert p1_after > p1_before  # its late failure counted
 
