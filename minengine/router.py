@@ -331,11 +331,11 @@ class Router:
             # health checks did. Nothing is sent to one that does not answer now (the other half would
             # hold its KV pages for the bootstrap timeout waiting for it): the first of them to pass a
             # probe is taken, else one that did not turn requests away, if any
-            if (server := await self._answering(picker, key)) is None:
-                self.failures.labels(server=(p if kind == "prefill" else d).url).inc()
+            if (chosen := await self._answering(picker, key)) is None:
+                self.failures.labels(server=server.url).inc()
                 why = f"turned requests away in the last {DOWN_SECONDS:g} s and none passes /health now"
                 return error_response(503, f"no {kind} server is up: {', '.join(b.url for b in picker.backends)} {why}")
-            p, d = (server, d) if kind == "prefill" else (p, server)
+            p, d = (chosen, d) if kind == "prefill" else (p, chosen)
         roles = (None, None)
         if not (p.role_checked and d.role_checked):  # (once per server: later requests pass straight on)
             roles = await asyncio.gather(self.wrong_role(p, "prefill"), self.wrong_role(d, "decode"))
