@@ -9,6 +9,9 @@ Compiles for a GPU target on any machine (no GPU needed; see triton_kernels/aot.
     python profiles/compile_report.py --csrc          # the CUDA C++ kernels instead (needs nvcc)
 
 HGMMA in the mma column is Hopper's wgmma, HMMA is mma.sync; fp32 runs exact dots on FMA units.
+loops: SASS instructions per trip of each KV loop that issues matrix instructions, in code order
+(a prefill config: the small block's unmasked and masked loops, then the big block's; a decode
+config: its unmasked and masked loops), i.e. a KV tile's cost per thread outside the waits.
 For csrc/, ptxas -v of every instantiation of paged_attention.cu: registers, spill bytes, and how
 many times ptxas injected a warpgroup.arrive (a wgmma serialized because registers it uses were
 written between the wgmmas of a group).
@@ -95,7 +98,7 @@ def main() -> None:
             print(f"{r['arch']:>5} {r['kernel']:<18} {r['regs']:>5} {r['spill']:>6} {r['arrive']:>7}", flush=True)
         return
     header = ("arch", "dtype", "D", "grp", "kind", "BM", "TN", "warps", "stages", "regs", "spill", "smem", "mma")
-    print(" ".join(f"{h:>6}" for h in header), " variant")
+    print(" ".join(f"{h:>6}" for h in header), f"{'loops':>19}", " variant")
     for arch in args.arch:
         for dt in args.dtypes:
             for d in args.head_dims:
@@ -113,7 +116,8 @@ def main() -> None:
                             r = resources(kernel)
                             row = (arch, dt, d, group, kind, c.block_m, c.tile_n, c.num_warps, c.num_stages)
                             row += (r["regs"], r["spill_bytes"], r["shared_bytes"], r["mma"])
-                            print(" ".join(f"{v:>6}" for v in row), "", name, flush=True)
+                            loops = "/".join(map(str, r["mma_loops"]))
+                            print(" ".join(f"{v:>6}" for v in row), f"{loops:>19}", "", name, flush=True)
 
 
 if __name__ == "__main__":

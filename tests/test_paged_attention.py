@@ -146,8 +146,28 @@ def test_q_as_view_of_a_merged_projection(dtype, device, kernels):
     run_and_check(batch, dtype, kernels=kernels)
 
 
-def test_softmax_scale(device, kernels):
-    run_and_check(batch_for([3, 1], [8, 9], torch.float32, device), torch.float32, softmax_scale=0.37, kernels=kernels)
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("scale", [0.37, -0.37, 0.0, -0.0])
+def test_softmax_scale(scale, num_splits, device, kernels):
+    """Any finite scale: the Triton kernel takes row maxima of unscaled scores, which needs a
+    positive scale, so it negates q for a negative one and zeroes it for 0 (a uniform average)."""
+    batch = batch_for([3, 1, 12], [8, 9, 14], torch.float32, device)
+    run_and_check(batch, torch.float32, softmax_scale=scale, num_splits=num_splits, kernels=kernels)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("page", [5, 16])
+def test_k_and_v_caches_with_different_strides(page, num_splits, device, kernels):
+    """K and V views of storages of different shapes: V's rows are padded past D and its pages
+    are strided differently, so no offset of K's may be reused for V."""
+    batch = batch_for(MIXED_Q, MIXED_KV, torch.float16, device, page=page)
+    pages, size, hkv, d = batch.v_cache.shape
+    padded = torch.full((pages, size + 1, hkv, d + 16), float("nan"), dtype=torch.float16, device=device)
+    v_cache = padded[:, :size, :, :d]
+    v_cache.copy_(batch.v_cache)
+    assert v_cache.stride() != batch.k_cache.stride()
+    batch.v_cache = v_cache
+    run_and_check(batch, torch.float16, num_splits=num_splits, kernels=kernels)
 
 
 def test_out_allocated_when_omitted(device, kernels):

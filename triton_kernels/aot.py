@@ -99,6 +99,8 @@ def compile_attention(
         DOT_FP32=False,
         PRECISION="ieee" if dtype == torch.float32 else "tf32",
         SLOT_I64=False,
+        SAME_KV_STRIDES=True,
+        Q_SIGN=1,
     )
     compiled = compile_for_target(
         _paged_attention_kernel, types, constexprs, arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages
@@ -201,5 +203,24 @@ def resources(compiled) -> dict[str, Any]:
     mma = "HGMMA" if "HGMMA" in sass else "HMMA" if "HMMA" in sass else "none"
     # spilled registers show up as a stack frame (and local memory)
     return dict(
-        regs=field("REG"), spill_bytes=field("STACK") + field("LOCAL"), shared_bytes=compiled.metadata.shared, mma=mma
+        regs=field("REG"),
+        spill_bytes=field("STACK") + field("LOCAL"),
+        shared_bytes=compiled.metadata.shared,
+        mma=mma,
+        mma_loops=mma_loops(sass),
     )
+
+
+def mma_loops(sass: str) -> list[int]:
+    """Instructions per trip of each loop in ``cuobjdump -sass`` text that issues matrix
+    instructions, in address order: for the attention kernel, a KV tile's cost per thread."""
+    code = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    sizes = []
+    for end, text in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target is None or int(target[1], 16) >= end:
+            continue  # a loop closes with a branch back
+        body = [t for addr, t in code if int(target[1], 16) <= addr <= end]
+        if any("MMA" in t for t in body):
+            sizes.append(len(body))
+    return sizes

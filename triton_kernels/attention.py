@@ -37,7 +37,9 @@ sequences are laid out on grid axis 0 without a host sync: sequence b owns the p
 range covers padding tokens. A block of at most SMALL_Q tokens (a decode among prefill chunks)
 runs SMALL_M rows instead of BLOCK_M, in the same launch. KV is read TILE_N tokens at a time;
 each token's page comes from the block table (loaded a tile ahead), so any page size works.
-Tiles every row of a block sees whole skip the causal and length masks. With split-KV
+Tiles every row of a block sees whole skip the causal and length masks. Row maxima are taken
+on unscaled scores and the scale meets each score once, in the FMA feeding exp2 (the kernel's
+scale is positive: q's sign flips for a negative softmax_scale, q is zeroed for 0). With split-KV
 (flash-decoding), grid axis 2 splits each program's KV range; partial (acc, max, sum) go to an
 fp32 workspace and one reduce launch merges them.
 """
@@ -96,6 +98,7 @@ def _kv_tiles(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     SLOT_I64: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Online softmax over KV tiles [tile_lo, tile_hi). MASKED=False is for tiles every row sees
@@ -109,18 +112,35 @@ def _kv_tiles(
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    if TILE_N % PAGE_SIZE == 0:
+        # A tile covers whole pages, so each row keeps its slot from tile to tile: the slot
+        # offsets leave the loop. With V reusing K's offsets (below), the prefill tile's loop went
+        # from 502 to 430 SASS instructions a tile (sm_90, bf16 D 128, 16-token pages, Triton 3.6).
+        row_slot = offs_n % PAGE_SIZE
+        if SLOT_I64:  # (PAGE_SIZE - 1) * stride_ks passes 2**31 (an unusual layout): 64-bit products
+            row_slot = row_slot.to(tl.int64)
+        k_row = row_slot * stride_ks
+        v_row = k_row if SAME_KV_STRIDES else row_slot * stride_vs
     next_pos = tile_lo * TILE_N + offs_n
-    next_page = tl.load(bt_row + next_pos // PAGE_SIZE, mask=next_pos < kv_end, other=0)
+    # With whole pages, first is next_pos // PAGE_SIZE in another form, for which ptxas gives the
+    # bf16 D 128 decode tile on 16-token pages 114 registers on sm_90 with Triton 3.6 (128 with
+    # 3.9): 4 programs an SM, where next_pos // PAGE_SIZE takes 143 (3 programs; 105 with 3.9).
+    first = tile_lo * (TILE_N // PAGE_SIZE) + offs_n // PAGE_SIZE if TILE_N % PAGE_SIZE == 0 else next_pos // PAGE_SIZE
+    next_page = tl.load(bt_row + first, mask=next_pos < kv_end, other=0)
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE_N + offs_n
         page = next_page.to(tl.int64)
         next_pos = kv_pos + TILE_N
         next_page = tl.load(bt_row + next_pos // PAGE_SIZE, mask=next_pos < kv_end, other=0)
-        slot = kv_pos % PAGE_SIZE
-        if SLOT_I64:  # (PAGE_SIZE - 1) * stride_ks passes 2**31 (an unusual layout): 64-bit products
-            slot = slot.to(tl.int64)
-        k_offs = page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :]
-        v_offs = page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_d[None, :]
+        if TILE_N % PAGE_SIZE != 0:
+            slot = kv_pos % PAGE_SIZE
+            if SLOT_I64:
+                slot = slot.to(tl.int64)
+            k_row = slot * stride_ks
+            v_row = slot * stride_vs
+        k_offs = (page * stride_kp + k_row)[:, None] + offs_d[None, :]
+        # the usual cache layout: V's copies reuse K's offsets
+        v_offs = k_offs if SAME_KV_STRIDES else (page * stride_vp + v_row)[:, None] + offs_d[None, :]
         if MASKED:
             kv_valid = kv_pos < kv_end
             kv_mask = kv_valid[:, None] & d_mask[None, :]
@@ -136,14 +156,17 @@ def _kv_tiles(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        # Raw scores: the row max is taken before scaling (scale_log2e > 0), so the scale meets
+        # each score once, in the FMA that feeds exp2; a multiply of every score for the max cost
+        # the prefill tile 30 of its 430 instructions a tile. m_i holds raw maxima.
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             causal = (kv_pos[None, :] <= pos[:, None]) & kv_valid[None, :]
             s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
+        m_scaled = tl.where(m_new == float("-inf"), 0.0, m_new) * scale_log2e
+        p = tl.math.exp2(s * scale_log2e - m_scaled[:, None])
+        alpha = tl.math.exp2(m_i * scale_log2e - m_scaled)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -190,6 +213,8 @@ def _attend_block(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     SLOT_I64: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    Q_SIGN: tl.constexpr,
 ):
     """Query tokens [tok0, min(tok0 + BLOCK_Q, q_end)) of one sequence, the GROUP query heads of
     kv_head: BLOCK_M rows, against this split's share of the KV range."""
@@ -205,6 +230,10 @@ def _attend_block(
 
     q_offs = token.to(tl.int64)[:, None] * stride_qt + q_head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    # Q_SIGN is the sign of softmax_scale (0 for 0; exact in q's dtype), so that scale_log2e > 0
+    # and raw score maxima stay maxima once scaled.
+    if Q_SIGN != 1:
+        q = (q * Q_SIGN).to(q.dtype)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -227,12 +256,12 @@ def _attend_block(
     acc, m_i, l_i = _kv_tiles(
         acc, m_i, l_i, q, pos, bt_row, k_head, v_head, kv_end, tile_lo, tile_mid,
         stride_kp, stride_ks, stride_vp, stride_vs, scale_log2e,
-        HEAD_DIM, BLOCK_D, TILE_N, PAGE_SIZE, DOT_FP32, PRECISION, SLOT_I64, MASKED=False,
+        HEAD_DIM, BLOCK_D, TILE_N, PAGE_SIZE, DOT_FP32, PRECISION, SLOT_I64, SAME_KV_STRIDES, MASKED=False,
     )  # fmt: skip
     acc, m_i, l_i = _kv_tiles(
         acc, m_i, l_i, q, pos, bt_row, k_head, v_head, kv_end, tile_mid, tile_hi,
         stride_kp, stride_ks, stride_vp, stride_vs, scale_log2e,
-        HEAD_DIM, BLOCK_D, TILE_N, PAGE_SIZE, DOT_FP32, PRECISION, SLOT_I64, MASKED=True,
+        HEAD_DIM, BLOCK_D, TILE_N, PAGE_SIZE, DOT_FP32, PRECISION, SLOT_I64, SAME_KV_STRIDES, MASKED=True,
     )  # fmt: skip
 
     out_mask = row_valid[:, None] & d_mask[None, :]
@@ -244,7 +273,7 @@ def _attend_block(
         # workspace: acc [NUM_SPLITS, num_tokens, Hq, HEAD_DIM], (max, sum) [NUM_SPLITS, num_tokens, Hq, 2]
         row = (split * num_tokens + token.to(tl.int64)) * NUM_Q_HEADS + q_head
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
-        tl.store(part_ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + row * 2, m_i * scale_log2e, mask=row_valid)
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
 
 
@@ -287,6 +316,8 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     SLOT_I64: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    Q_SIGN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -321,7 +352,7 @@ def _paged_attention_kernel(
                 stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 stride_ot, stride_oh, stride_bt,
                 NUM_Q_HEADS, HEAD_DIM, BLOCK_D, GROUP, SMALL_M, SMALL_Q, TILE_N, PAGE_SIZE, NUM_SPLITS,
-                DOT_FP32, PRECISION, SLOT_I64,
+                DOT_FP32, PRECISION, SLOT_I64, SAME_KV_STRIDES, Q_SIGN,
             )  # fmt: skip
             return
     _attend_block(
@@ -330,7 +361,7 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt,
         NUM_Q_HEADS, HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, TILE_N, PAGE_SIZE, NUM_SPLITS,
-        DOT_FP32, PRECISION, SLOT_I64,
+        DOT_FP32, PRECISION, SLOT_I64, SAME_KV_STRIDES, Q_SIGN,
     )  # fmt: skip
 
 
@@ -399,7 +430,11 @@ def pick_config(
     latency exposed once per tile. Page ids now come a tile ahead and prefill tiles run 3 stages:
     the wait leaves the next tile's K and V in flight (``num = 2``; tests/test_compile_targets.py
     checks it for sm_90 and sm_80). Tiles below the diagonal skip the masks, and blocks of at most
-    small_m // group tokens (a mixed launch's decodes) run small_m rows in the same launch.
+    small_m // group tokens (a mixed launch's decodes) run small_m rows in the same launch. Later
+    (also unmeasured), the SASS per KV tile: slot offsets out of the loop where tiles cover whole
+    pages, V's offsets K's when the caches' strides match, maxima of unscaled scores; for bf16 D
+    128 on 16-token pages, sm_90, Triton 3.6: the prefill tile's loop 502 -> 400 instructions, the
+    decode tile's 492 -> 353 (``profiles/compile_report.py``'s loops column).
     """
     group_rows = max(16, triton.next_power_of_2(group))
     if interpret:
@@ -547,7 +582,7 @@ def paged_attention(
         cu_seqlens_q,
         dims.num_seqs,
         dims.num_tokens,
-        scale * LOG2E,
+        abs(scale) * LOG2E if scale != 0 else 1.0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -573,6 +608,8 @@ def paged_attention(
         DOT_FP32=interpret and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SLOT_I64=(dims.page_size - 1) * max(k_cache.stride(1), v_cache.stride(1)) >= 2**31,
+        SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
+        Q_SIGN=(scale > 0) - (scale < 0),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **FP_FUSION,
