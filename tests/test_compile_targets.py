@@ -33,6 +33,9 @@ SCRIPT = textwrap.dedent(
         "sm80_prefill": (80, bf16, 128, 4, 16, 1, 2048),
         "sm90_fp32_d80_g5_p5": (90, fp32, 80, 5, 5, 2, 7),
         "sm90_fp16_d256_g16_p1": (90, fp16, 256, 16, 1, 2, 7),
+        # V strided apart from K, a negative and a zero softmax scale (the engine's are positive)
+        "sm90_kv_strides_neg_scale": (90, bf16, 128, 4, 16, 1, 2048, 8, 1 << 30, None, False, -1),
+        "sm80_zero_scale_split": (80, fp16, 64, 2, 16, 4, 1, 8, 1 << 30, None, True, 0),
         "sm90_prefill_d256": (90, bf16, 256, 4, 16, 1, 2048),
         "sm80_prefill_d256_99k": (80, bf16, 256, 4, 16, 1, 2048, 8, 101376),  # sm_86 / sm_89's limit
         "sm80_prefill_d128_99k": (80, bf16, 128, 4, 16, 1, 2048, 8, 101376),
@@ -63,7 +66,8 @@ def test_kernels_compile_for_sm80_and_sm90():
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     layers = ("rms_norm_4096", "rms_norm_8192", "rotary", "rotary_qk_norm", "rotary_qk_norm_sm80", "silu_and_mul")
     prefill = ("sm90_prefill", "sm90_prefill_d256", "sm80_prefill")
-    for name in (*prefill, "sm90_decode", "sm90_split", "merge", "store_kv", "gather", *layers):
+    main = (*prefill, "sm90_decode", "sm90_split", "sm90_kv_strides_neg_scale")
+    for name in (*main, "merge", "store_kv", "gather", *layers):
         assert res[name]["spill_bytes"] == 0, (name, res[name])
     assert {name: r["unfused"] for name, r in res.items() if r["unfused"]} == {}  # every kernel may fuse
     assert res["sm90_prefill"]["mma"] == "HGMMA"  # Hopper wgmma for prefill tiles

@@ -74,10 +74,13 @@ def compile_attention(
     num_kv_heads: int = 8,
     shared_memory: int = 1 << 30,
     config=None,
+    same_kv_strides: bool = True,
+    q_sign: int = 1,
 ):
     """The attention kernel as the launcher configures it for this call shape (on a device that
     gives a program ``shared_memory`` bytes), or with the tile shapes ``config`` (an
-    ``AttentionConfig``) instead."""
+    ``AttentionConfig``) instead; ``same_kv_strides`` and ``q_sign`` as the launcher sets them for
+    K and V caches of other strides and for a negative (-1) or zero (0) softmax scale."""
     cfg = config or pick_config(max_seqlen_q, group, head_dim, dtype, interpret=False, shared_memory=shared_memory)
     elem = "*" + TRITON_TYPES[dtype]
     types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), elem)
@@ -99,8 +102,8 @@ def compile_attention(
         DOT_FP32=False,
         PRECISION="ieee" if dtype == torch.float32 else "tf32",
         SLOT_I64=False,
-        SAME_KV_STRIDES=True,
-        Q_SIGN=1,
+        SAME_KV_STRIDES=same_kv_strides,
+        Q_SIGN=q_sign,
     )
     compiled = compile_for_target(
         _paged_attention_kernel, types, constexprs, arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages
