@@ -147,12 +147,14 @@ def test_q_as_view_of_a_merged_projection(dtype, device, kernels):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])
-@pytest.mark.parametrize("scale", [0.37, -0.37, 0.0, -0.0])
-def test_softmax_scale(scale, num_splits, device, kernels):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [0.37, -0.37, 0.0, -0.0, 1e-46, -1e-300])
+def test_softmax_scale(scale, dtype, num_splits, device, kernels):
     """Any finite scale: the Triton kernel takes row maxima of unscaled scores, which needs a
-    positive scale, so it negates q for a negative one and zeroes it for 0 (a uniform average)."""
-    batch = batch_for([3, 1, 12], [8, 9, 14], torch.float32, device)
-    run_and_check(batch, torch.float32, softmax_scale=scale, num_splits=num_splits, kernels=kernels)
+    positive scale, so it negates q for a negative one and zeroes it for one whose float32
+    scale * log2(e) is 0 (a uniform average, as the float64 reference's)."""
+    batch = batch_for([3, 1, 12], [8, 9, 14], dtype, device)
+    run_and_check(batch, dtype, softmax_scale=scale, num_splits=num_splits, kernels=kernels)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2])

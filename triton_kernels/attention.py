@@ -47,6 +47,7 @@ fp32 workspace and one reduce launch merges them.
 from __future__ import annotations
 
 import numbers
+import struct
 from typing import NamedTuple
 
 import torch
@@ -230,10 +231,10 @@ def _attend_block(
 
     q_offs = token.to(tl.int64)[:, None] * stride_qt + q_head.to(tl.int64)[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
-    # Q_SIGN is the sign of softmax_scale (0 for 0; exact in q's dtype), so that scale_log2e > 0
-    # and raw score maxima stay maxima once scaled.
-    if Q_SIGN != 1:
-        q = (q * Q_SIGN).to(q.dtype)
+    # Q_SIGN is the sign of softmax_scale (0 for a scale that is 0 in float32; exact in q's
+    # dtype), so that scale_log2e > 0 and raw score maxima stay maxima once scaled.
+    if Q_SIGN != 1:  # (through float32: the interpreter's bfloat16 product was NaN)
+        q = (q.to(tl.float32) * Q_SIGN).to(q.dtype)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -524,6 +525,16 @@ def pick_num_splits(num_tokens: int, num_seqs: int, block_q: int, num_kv_heads: 
     return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(target, programs)))
 
 
+def kernel_scale(scale: float) -> tuple[float, int]:
+    """(scale_log2e, Q_SIGN) for softmax_scale: the kernel takes row maxima of unscaled scores,
+    so its scale must be positive, and q's sign carries softmax_scale's. A scale whose float32
+    |scale| * log2(e) is 0 (0, or below 2**-149) weighs every visible key the same: q zeroed."""
+    scale_log2e = struct.unpack("f", struct.pack("f", abs(scale) * LOG2E))[0]
+    if scale_log2e == 0.0:
+        return 1.0, 0
+    return scale_log2e, 1 if scale > 0 else -1
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -560,6 +571,7 @@ def paged_attention(
     if num_splits is None:
         num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
     block_d = triton.next_power_of_2(dims.head_dim)
+    scale_log2e, q_sign = kernel_scale(scale)
 
     if num_splits > 1:
         part_acc = torch.empty(
@@ -582,7 +594,7 @@ def paged_attention(
         cu_seqlens_q,
         dims.num_seqs,
         dims.num_tokens,
-        abs(scale) * LOG2E if scale != 0 else 1.0,
+        scale_log2e,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -609,7 +621,7 @@ def paged_attention(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SLOT_I64=(dims.page_size - 1) * max(k_cache.stride(1), v_cache.stride(1)) >= 2**31,
         SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
-        Q_SIGN=(scale > 0) - (scale < 0),
+        Q_SIGN=q_sign,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **FP_FUSION,
