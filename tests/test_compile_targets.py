@@ -78,9 +78,9 @@ def test_kernels_compile_for_sm80_and_sm90():
     for name in ("sm90_decode", "sm90_split", "sm80_prefill"):
         assert res[name]["mma"] == "HMMA", (name, res[name])
     # SASS instructions per KV tile in the unmasked loops (the prefill's big block; the decode's),
-    # sm_90, bf16 D 128, 16-token pages. Before the slot offsets left the loop, V reused K's
-    # addresses and the max was taken on raw scores: 502 / 492 with Triton 3.6, 519 / 492 with 3.9;
-    # after, 400 / 353 and 427 / 358.
+    # sm_90, bf16 D 128, 16-token pages: 502 / 492 with Triton 3.6 and 519 / 492 with 3.9 before
+    # slot offsets left the loop, V reused K's offsets and maxima were taken on unscaled scores;
+    # 400 / 353 and 427 / 358 after.
     assert res["sm90_prefill"]["mma_loops"][2] <= 450, res["sm90_prefill"]
     assert res["sm90_decode"]["mma_loops"][0] <= 400, res["sm90_decode"]
 

@@ -71,12 +71,19 @@ def check_num_splits(num_splits: object) -> int | None:
     return int(num_splits)
 
 
+# The kernels take |softmax_scale| * log2(e) as a float32: beyond this it is inf.
+MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
+
+
 def softmax_scale_or_default(softmax_scale: object, head_dim: int) -> float:
     """``softmax_scale`` as a float (None: head_dim ** -0.5); NaN or inf would make every output NaN."""
     if softmax_scale is None:
         return head_dim**-0.5
     good = isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool)
-    _expect(good and math.isfinite(softmax_scale), f"softmax_scale is {softmax_scale!r}; allowed: a finite number")
+    _expect(
+        good and math.isfinite(softmax_scale) and abs(softmax_scale) <= MAX_SOFTMAX_SCALE,
+        f"softmax_scale is {softmax_scale!r}; allowed: a finite number of magnitude at most {MAX_SOFTMAX_SCALE:.4g}",
+    )
     return float(softmax_scale)
 
 
