@@ -15,7 +15,7 @@ Contract::
     max_seqlen_q  host int >= max q_len (picks tile shapes: no host sync). A bound, not a hint:
                   the CUDA kernel launches its prefill tiles only when it exceeds one row group,
                   so a smaller value leaves rows unwritten there (MINENGINE_KERNEL_DEBUG=1 checks)
-    softmax_scale defaults to D ** -0.5
+    softmax_scale defaults to D ** -0.5; any finite value with |softmax_scale| <= 2.359e38
     out           optional, like q; written and returned
     num_splits    optional override of the split-KV factor (None: chosen from the batch shape)
     config        optional AttentionConfig overriding the tile shapes (benchmarks, tuning; None:
