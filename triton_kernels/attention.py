@@ -121,7 +121,7 @@ def _kv_tiles(
         if SLOT_I64:  # (PAGE_SIZE - 1) * stride_ks passes 2**31 (an unusual layout): 64-bit products
             row_slot = row_slot.to(tl.int64)
         k_row = row_slot * stride_ks
-        v_row = k_row if SAME_KV_STRIDES else row_slot * stride_vs
+        v_row = row_slot * stride_vs  # (unused where V reuses K's offsets)
     next_pos = tile_lo * TILE_N + offs_n
     # With whole pages, first is next_pos // PAGE_SIZE in another form, for which ptxas gives the
     # bf16 D 128 decode tile on 16-token pages 114 registers on sm_90 with Triton 3.6 (128 with
