@@ -9,6 +9,7 @@ Compiles for a GPU target on any machine (no GPU needed; see triton_kernels/aot.
     python profiles/compile_report.py --csrc          # the CUDA C++ kernels instead (needs nvcc)
 
 HGMMA in the mma column is Hopper's wgmma, HMMA is mma.sync; fp32 runs exact dots on FMA units.
+per_sm: programs resident on one SM at once (registers, warps and shared memory of that arch).
 loops: SASS instructions per trip of each KV loop that issues matrix instructions, in code order
 (a prefill config: the small block's unmasked and masked loops, then the big block's; a decode
 config: its unmasked and masked loops), i.e. a KV tile's cost per thread outside the waits.
@@ -97,7 +98,8 @@ def main() -> None:
         for r in csrc_report(["80", "90a"]):
             print(f"{r['arch']:>5} {r['kernel']:<18} {r['regs']:>5} {r['spill']:>6} {r['arrive']:>7}", flush=True)
         return
-    header = ("arch", "dtype", "D", "grp", "kind", "BM", "TN", "warps", "stages", "regs", "spill", "smem", "mma")
+    header = ("arch", "dtype", "D", "grp", "kind", "BM", "TN", "warps", "stages", "regs", "spill", "smem", "per_sm")
+    header += ("mma",)
     print(" ".join(f"{h:>6}" for h in header), f"{'loops':>19}", " variant")
     for arch in args.arch:
         for dt in args.dtypes:
@@ -115,7 +117,7 @@ def main() -> None:
                         for name, (c, kernel) in configs.items():
                             r = resources(kernel)
                             row = (arch, dt, d, group, kind, c.block_m, c.tile_n, c.num_warps, c.num_stages)
-                            row += (r["regs"], r["spill_bytes"], r["shared_bytes"], r["mma"])
+                            row += (r["regs"], r["spill_bytes"], r["shared_bytes"], r["per_sm"], r["mma"])
                             loops = "/".join(map(str, r["mma_loops"]))
                             print(" ".join(f"{v:>6}" for v in row), f"{loops:>19}", "", name, flush=True)
 

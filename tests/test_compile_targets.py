@@ -42,6 +42,10 @@ SCRIPT = textwrap.dedent(
     }.items():
         compiled = aot.compile_attention(*args)[1]
         out[name] = resources(compiled) | {"waits": aot.async_waits(compiled)}
+    from triton_kernels.attention import pick_config, tile_variants
+    rows64 = tile_variants(pick_config(2048, 4, 128, bf16, False))["64-rows-2-programs"]
+    compiled = aot.compile_attention(90, bf16, 128, 4, 16, 1, 2048, config=rows64)[1]
+    out["sm90_prefill_64_rows"] = resources(compiled) | {"waits": aot.async_waits(compiled)}
     out["merge"] = resources(aot.compile_merge(90, bf16, 128, 8))
     out["store_kv"] = resources(aot.compile_store_kv(90, bf16, 8, 128, 16))
     out["store_kv_odd"] = resources(aot.compile_store_kv(80, fp32, 3, 80, 5))
@@ -65,7 +69,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     layers = ("rms_norm_4096", "rms_norm_8192", "rotary", "rotary_qk_norm", "rotary_qk_norm_sm80", "silu_and_mul")
-    prefill = ("sm90_prefill", "sm90_prefill_d256", "sm80_prefill")
+    prefill = ("sm90_prefill", "sm90_prefill_d256", "sm80_prefill", "sm90_prefill_64_rows")
     main = (*prefill, "sm90_decode", "sm90_split", "sm90_kv_strides_neg_scale")
     for name in (*main, "merge", "store_kv", "gather", *layers):
         assert res[name]["spill_bytes"] == 0, (name, res[name])
@@ -83,6 +87,8 @@ def test_kernels_compile_for_sm80_and_sm90():
     # 400 / 353 and 427 / 358 after.
     assert res["sm90_prefill"]["mma_loops"][2] <= 450, res["sm90_prefill"]
     assert res["sm90_decode"]["mma_loops"][0] <= 400, res["sm90_decode"]
+    # the variant's point: two programs an SM, where the pick's 128-row block fills one
+    assert res["sm90_prefill_64_rows"]["per_sm"] == 2 and res["sm90_prefill_64_rows"]["mma"] == "HGMMA"
 
 
 def test_every_launch_asks_for_fp_fusion(monkeypatch, device):
@@ -126,6 +132,19 @@ def test_every_launch_asks_for_fp_fusion(monkeypatch, device):
     assert launched == dict.fromkeys(kernels, True)
 
 
+def test_programs_per_sm():
+    """The occupancy rule behind the per_sm column: H100 and A100 limits, cases worked by hand."""
+    from triton_kernels.aot import programs_per_sm
+
+    assert programs_per_sm(90, 166, 8, 131072) == 1  # the bf16 D 128 prefill pick: registers and shared memory
+    assert programs_per_sm(90, 114, 4, 38912) == 4  # its decode tile: 4 warps of 3840 registers a quarter
+    assert programs_per_sm(90, 143, 4, 38912) == 3  # 4608 registers a warp: 3 warps a quarter
+    assert programs_per_sm(90, 204, 4, 114688) == 2  # 64-row blocks: registers and shared memory both allow 2
+    assert programs_per_sm(90, 204, 4, 115712) == 2 and programs_per_sm(90, 204, 4, 115713) == 1
+    assert programs_per_sm(80, 204, 4, 114688) == 1  # an A100 has 164 KB
+    assert programs_per_sm(90, 32, 4, 0) == 16 and programs_per_sm(90, 16, 1, 0) == 32  # warps, then blocks
+
+
 def test_compile_report_lists_each_tile_variant():
     """``profiles/compile_report.py --variants``: a row per variant that compiles (the configs
     ``bench_attention.py --triton-variants`` times), after the launcher's own."""
@@ -141,7 +160,7 @@ def test_compile_report_lists_each_tile_variant():
     rows = [line.split() for line in proc.stdout.splitlines()[1:]]
     prefill = [r for r in rows if r[4] == "prefill"]
     picked = pick_config(2048, 4, 64, torch.float16, interpret=False)
-    assert [r[14] if len(r) > 14 else "" for r in prefill] == ["", *tile_variants(picked)], proc.stdout
-    assert all(int(r[9]) > 0 for r in rows)  # (registers read for each)
+    assert [r[15] if len(r) > 15 else "" for r in prefill] == ["", *tile_variants(picked)], proc.stdout
+    assert all(int(r[9]) > 0 and int(r[12]) >= 1 for r in rows)  # (registers and programs an SM read for each)
     # KV loops per pick: a prefill tile's small and big blocks, each unmasked and masked; a decode's
-    assert [len(r[13].split("/")) for r in rows if len(r) == 14] == [2, 2, 4], proc.stdout
+    assert [len(r[14].split("/")) for r in rows if len(r) == 15] == [2, 2, 4], proc.stdout

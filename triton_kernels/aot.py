@@ -190,8 +190,24 @@ def async_waits(compiled) -> list[str]:
     return re.findall(r"ttg\.async_wait .*?\{num = (\d+) : i32\}", compiled.asm["ttgir"])
 
 
+# Per SM: registers, warps, resident blocks and shared memory (bytes), for the targets compiled here
+SM_LIMITS = {80: (65536, 64, 32, 167936), 90: (65536, 64, 32, 233472)}
+
+
+def programs_per_sm(arch: int, regs: int, num_warps: int, shared_bytes: int) -> int:
+    """How many programs (thread blocks) of a kernel fit on one SM at once: the tightest of
+    registers, warps, blocks and shared memory. Registers come in 256-register pieces per warp,
+    and a warp takes them from one of the SM's 4 quarters (16384 each); every block also holds 1 KB
+    of shared memory for the system."""
+    sm_regs, sm_warps, sm_blocks, sm_shared = SM_LIMITS[arch]
+    warp_regs = -(-regs * 32 // 256) * 256
+    warps = 4 * (sm_regs // 4 // warp_regs) if regs else sm_warps
+    return min(min(warps, sm_warps) // num_warps, sm_blocks, sm_shared // (shared_bytes + 1024))
+
+
 def resources(compiled) -> dict[str, Any]:
-    """Registers per thread, spilled bytes, shared memory and the matrix instructions in SASS."""
+    """Registers per thread, spilled bytes, shared memory, programs per SM (``programs_per_sm``)
+    and the matrix instructions in SASS."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
@@ -205,10 +221,13 @@ def resources(compiled) -> dict[str, Any]:
 
     mma = "HGMMA" if "HGMMA" in sass else "HMMA" if "HMMA" in sass else "none"
     # spilled registers show up as a stack frame (and local memory)
+    meta = compiled.metadata
+    regs = field("REG")
     return dict(
-        regs=field("REG"),
+        regs=regs,
         spill_bytes=field("STACK") + field("LOCAL"),
-        shared_bytes=compiled.metadata.shared,
+        shared_bytes=meta.shared,
+        per_sm=programs_per_sm(meta.target.arch, regs, meta.num_warps, meta.shared),
         mma=mma,
         mma_loops=mma_loops(sass),
     )

@@ -461,9 +461,9 @@ def tile_variants(picked: AttentionConfig) -> dict[str, AttentionConfig]:
     compile (``profiles/compile_report.py --variants``), named by how they differ; those equal to
     the pick or to an earlier one are left out: stop 41's prefill tile parameters (2 stages,
     decodes in the prefill tile, 4 warps for 64-row blocks) and each half of that change,
-    deeper-pipelined decode tiles, and 128-key prefill tiles. All run the current kernel body
-    (page ids a tile ahead, unmasked tiles below the diagonal), which has no switch back: stop
-    41's own kernel is in its committed results."""
+    deeper-pipelined decode tiles, 128-key prefill tiles, and 64-row prefill blocks two to an SM.
+    All run the current kernel body (page ids a tile ahead, unmasked tiles below the diagonal),
+    which has no switch back: stop 41's own kernel is in its committed results."""
     candidates = {
         "2-stages": picked._replace(num_stages=2),
         "one-tile": picked._replace(small_m=picked.block_m),
@@ -478,6 +478,13 @@ def tile_variants(picked: AttentionConfig) -> dict[str, AttentionConfig]:
         # no spill on sm_90 with Triton 3.6 (3.9 spills 16 B)
         "tile-128-3-stages": picked._replace(tile_n=128, num_stages=3),
     }
+    if picked.block_m == 128:
+        # 64-row blocks of one warpgroup, two programs an SM (sm_90, bf16 D 128, Triton 3.6: 204
+        # registers, 112 KB of shared memory each; the pick's 128-row block takes the whole SM):
+        # their warpgroups meet at no common barrier, so one's wgmmas can run while the other takes
+        # its softmax (what FA3 arranges with its ping-pong schedule). Each key is read by twice as
+        # many programs, from L2.
+        candidates["64-rows-2-programs"] = picked._replace(block_m=64, num_warps=4, num_stages=3)
     variants: dict[str, AttentionConfig] = {}
     for name, cfg in candidates.items():
         if cfg != picked and cfg not in variants.values():
