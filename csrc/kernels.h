@@ -38,7 +38,8 @@ struct GatherArgs {
 };
 
 void paged_attention(const PagedAttentionArgs& args);
-// Which kernel paged_attention runs for these arguments (kAttentionSimt, kAttentionMma or kAttentionWgmma).
+// Which kernel paged_attention runs for these arguments (kAttentionSimt, kAttentionMma or kAttentionWgmma);
+// std::invalid_argument, as from paged_attention, where the kernel asked for cannot take them.
 int attention_impl(const PagedAttentionArgs& args);
 void store_kv(const StoreKVArgs& args);
 void gather_input_ids(const GatherArgs& args);

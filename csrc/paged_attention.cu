@@ -819,13 +819,18 @@ std::string wgmma_unsupported(const PagedAttentionArgs& a) {
 
 }  // namespace
 
+// The kernel paged_attention runs: auto's pick, or the one asked for if it can take the arguments
+// (else std::invalid_argument saying why, as paged_attention would).
 int attention_impl(const PagedAttentionArgs& a) {
-  if (a.impl == kAttentionSimt || a.impl == kAttentionMma || a.impl == kAttentionWgmma) return a.impl;
-  if (a.impl != kAttentionAuto) {
-    throw std::invalid_argument("attention impl " + std::to_string(a.impl) +
-                                "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma)");
+  if (a.impl == kAttentionAuto) return mma_unsupported(a).empty() ? kAttentionMma : kAttentionSimt;
+  if (a.impl == kAttentionMma || a.impl == kAttentionWgmma) {
+    const std::string why = a.impl == kAttentionWgmma ? wgmma_unsupported(a) : mma_unsupported(a);
+    if (!why.empty()) throw std::invalid_argument(why);
+    return a.impl;
   }
-  return mma_unsupported(a).empty() ? kAttentionMma : kAttentionSimt;
+  if (a.impl == kAttentionSimt) return a.impl;
+  throw std::invalid_argument("attention impl " + std::to_string(a.impl) +
+                              "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma)");
 }
 
 namespace {
@@ -896,9 +901,7 @@ void paged_attention(const PagedAttentionArgs& a) {
     launch_simt(a, page, stream);
     return;
   }
-  const bool wgmma = impl == kAttentionWgmma;
-  const std::string why = wgmma ? wgmma_unsupported(a) : mma_unsupported(a);
-  if (!why.empty()) throw std::invalid_argument(why);
+  const bool wgmma = impl == kAttentionWgmma;  // (attention_impl checked that it applies)
   if (a.num_splits > 1 && (a.part_acc == 0 || a.part_ml == 0)) {
     throw std::invalid_argument("num_splits > 1 needs the part_acc and part_ml workspaces");
   }

@@ -82,6 +82,18 @@ def test_auto_picks_tensor_cores_when_they_apply(dev):
     check(shifted, torch.bfloat16, num_splits=4)  # workspaces allocated, the CUDA-core kernel ignores them
     with pytest.raises(ValueError, match="needs 16-byte aligned K/V rows"):  # forced: an error, not a fault
         cuda.paged_attention(*shifted.args(), impl="mma")
+    # chosen_kernel names the kernel that would run: a forced one that refuses the inputs raises as
+    # paged_attention does, rather than naming a kernel that never runs
+    for batch, impl, why in [
+        (shifted, "mma", "needs 16-byte aligned K/V rows"),
+        (shifted, "wgmma", "needs 16-byte aligned K/V rows"),
+        (fp32, "mma", "takes fp16 or bf16, not fp32"),
+        (batch_for([1, 9], [20, 9], torch.bfloat16, dev, d=256), "wgmma", "head_dim up to 128, not 256"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            cuda.chosen_kernel(*batch.args(), impl=impl)
+        with pytest.raises(ValueError, match=why):
+            cuda.paged_attention(*batch.args(), impl=impl)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 8])
