@@ -126,7 +126,12 @@ def measure_ceilings(device: torch.device, bench: Callable, smoke: bool) -> dict
     return {"copy_gbps": 2 * n_bytes / copy_ms / 1e6, "matmul_tflops": 2 * n**3 / mm_ms / 1e9}
 
 
-def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict) -> dict:
+def run_case(
+    case: Case, args: argparse.Namespace, device: torch.device, bench: Callable, ceilings: dict, later=None
+) -> dict:
+    """One case's row: ours, the torch reference, FlashInfer, the CUDA kernels. With
+    --triton-variants, a one-launch case also leaves its inputs in ``later`` (case name -> batch,
+    output buffer, our call, its fp64 error) for ``time_variants``."""
     import triton_kernels
     from minengine.ops import cuda as cuda_backend
     from minengine.ops import reference
@@ -164,18 +169,9 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
             except Exception as exc:  # noqa: BLE001
                 row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(f"skip {key} (case {case.name}): {row[f'{key}_error']}", flush=True)
-        if args.triton_variants:
-            picked, variants = triton_variants(batch, args.num_q_heads // args.num_kv_heads)
-            row["triton_config"] = picked._asdict()
-            row["variants"] = {}
-            for name, cfg in variants.items():
-                run = lambda c=cfg: triton_kernels.paged_attention(*batch.args(), out=out, config=c)  # noqa: E731
-                try:  # a variant that fails (compile, resources) is reported; the case goes on
-                    err = fp64_error(run)
-                    row["variants"][name] = dict(config=cfg._asdict(), ms=bench(run), rel_err_vs_fp64=err)
-                except Exception as exc:  # noqa: BLE001
-                    row["variants"][name] = dict(config=cfg._asdict(), error=f"{type(exc).__name__}: {exc}"[:300])
-                    print(f"skip triton variant {name} (case {case.name}): {row['variants'][name]['error']}")
+        if args.triton_variants and later is not None:  # timed after every case's own row: time_variants
+            row["triton_config"] = triton_variants(batch, args.num_q_heads // args.num_kv_heads)[0]._asdict()
+            later[case.name] = (batch, out, ours, fp64_error)
         if cuda_backend.available():
             theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
             row["cuda_ms"] = bench(theirs)
@@ -207,6 +203,26 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, bench: 
         if f"{other}_ms" in row:
             row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["ms"]
     return row
+
+
+def time_variants(row: dict, kept: tuple, args: argparse.Namespace, bench: Callable) -> None:
+    """The Triton tile configs of ``triton_variants`` on a case's inputs, beside the picked one timed
+    again (``variants_pick_ms``), into ``row["variants"]``. Run after every case's own row, so a
+    time limit cuts variants, not the cases, the CUDA columns or FlashInfer's."""
+    import triton_kernels
+
+    batch, out, ours, fp64_error = kept
+    variants = triton_variants(batch, args.num_q_heads // args.num_kv_heads)[1]
+    row["variants"] = {}
+    row["variants_pick_ms"] = bench(ours)
+    for name, cfg in variants.items():
+        run = lambda c=cfg: triton_kernels.paged_attention(*batch.args(), out=out, config=c)  # noqa: E731
+        try:  # a variant that fails (compile, resources) is reported; the others go on
+            err = fp64_error(run)
+            row["variants"][name] = dict(config=cfg._asdict(), ms=bench(run), rel_err_vs_fp64=err)
+        except Exception as exc:  # noqa: BLE001
+            row["variants"][name] = dict(config=cfg._asdict(), error=f"{type(exc).__name__}: {exc}"[:300])
+            print(f"skip triton variant {name} (case {row['case']}): {row['variants'][name]['error']}")
 
 
 def triton_variants(batch, group: int) -> tuple:
@@ -641,7 +657,7 @@ def markdown(report: dict) -> str:
             f"{fmt(r, 'cuda_ms', '.4f')} | {fmt(r, 'cuda_rel_err_vs_fp64', '.1e')} | "
             f"{fmt(r, 'cuda_wgmma_ms', '.4f')} | {fmt(r, 'cuda_wgmma_rel_err_vs_fp64', '.1e')} |"
         )
-    if any("variants" in r for r in report["rows"]):
+    if any("variants" in r or "variants_error" in r for r in report["rows"]):
         lines += [
             "",
             "Triton tile configs side by side (--triton-variants; block_m/small_m/tile_n/warps/stages):",
@@ -650,18 +666,21 @@ def markdown(report: dict) -> str:
             "|---|---|---|---|---|---|",
         ]
         for r in report["rows"]:
-            if "variants" not in r:
+            if "variants" not in r and "variants_error" not in r:
                 continue
-            lines.append(f"| {r['case']} | picked | {tile(r['triton_config'])} | {r['ms']:.4f} | 1.00 | "
+            pick_ms = r.get("variants_pick_ms", r["ms"])  # timed again just before its variants
+            lines.append(f"| {r['case']} | picked | {tile(r['triton_config'])} | {pick_ms:.4f} | 1.00 | "
                          f"{r['rel_err_vs_fp64']:.1e} |")  # fmt: skip
-            for name, v in r["variants"].items():
+            for name, v in r.get("variants", {}).items():
                 if "error" in v:
                     lines.append(f"| {r['case']} | {name} | {tile(v['config'])} | failed: {v['error'][:80]} | - | - |")
                     continue
                 lines.append(
-                    f"| {r['case']} | {name} | {tile(v['config'])} | {v['ms']:.4f} | {r['ms'] / v['ms']:.2f} | "
+                    f"| {r['case']} | {name} | {tile(v['config'])} | {v['ms']:.4f} | {pick_ms / v['ms']:.2f} | "
                     f"{v['rel_err_vs_fp64']:.1e} |"
                 )
+            if "variants_error" in r:
+                lines.append(f"| {r['case']} | (the rest) | - | failed: {r['variants_error'][:80]} | - | - |")
     lines += ["", "Targets:"] + [f"- {t}" for t in report["targets"]]
     if report.get("tuning"):
         lines += ["", f"Tuning table: {report['tuning']}"]
@@ -775,7 +794,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--triton-variants",
         action="store_true",
-        help="on each one-launch case, also time the Triton tile configs of triton_variants() beside the picked one",
+        help="on each one-launch case, also time the Triton tile configs of triton_variants() beside the picked one "
+        "(timed again), once every case has its own row",
     )
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
@@ -867,16 +887,28 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
             args.flashinfer_failed = sorted({build_name(b) for b in builds} - set(jit["built"]))
         stopped = "the ceilings"
         ceilings = measure_ceilings(device, bench, args.smoke)
+        later: dict[str, tuple] = {}
         for case in selected:
             stopped = f"case {case.name}"
             try:
-                rows.append(run_case(case, args, device, bench, ceilings))
+                rows.append(run_case(case, args, device, bench, ceilings, later))
             except Exception as exc:  # noqa: BLE001  (reported; the other cases and the grid go on)
+                later.pop(case.name, None)  # (inputs left before it failed: no variants without a row)
                 failed[case.name] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"case {case.name} failed: {failed[case.name]}", flush=True)
                 continue
             print(json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in rows[-1].items()}),
                   flush=True)  # fmt: skip
+        for row in rows:
+            if row["case"] not in later:
+                continue
+            stopped = f"the Triton variants of case {row['case']}"
+            try:
+                time_variants(row, later.pop(row["case"]), args, bench)
+            except Exception as exc:  # noqa: BLE001  (reported; the other cases' variants go on)
+                row["variants_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print(f"variants of case {row['case']} failed: {row['variants_error']}", flush=True)
+            print(json.dumps({"case": row["case"], "variants": row.get("variants")}), flush=True)
         stopped = None
     except Stopped:
         print(f"stopped by SIGTERM during {stopped}", flush=True)

@@ -19,14 +19,14 @@
 # A session gets about 30 minutes of device time, start-up included: three phases at most. The
 # first (an H100, 2026-11-23) ran tests (311 s), kernels (237 s, cut short by a bug since fixed) and
 # engine (541 s); a fresh machine started in under 30 s. Next: kernels (--triton-variants times
-# stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d; the cuda columns and ncu
-# time stop 43's CUDA tile changes, and their fp64 error columns are the first check of them on a
-# GPU), then within the machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is
-# still there), `serving overlap chunk` (about 450 s: a server start is about 45 s, and chunk's
-# 100 prompts, 20 of them 8k tokens long, arrive over 50 s), `serving delayer`, grid (the tuning
-# table), the rest of engine, disagg; tests again when a session has the time (the CUDA kernels
-# changed since they passed). A group's run cut off by the budget is lost whole (bench_serving
-# writes at its end).
+# stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d, after all the cases' own
+# rows, so the time limit cuts variants first; the cuda columns and ncu time stop 43's CUDA tile
+# changes, and their fp64 error columns are the first check of them on a GPU), then within the
+# machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is still there), `serving
+# overlap chunk` (about 450 s: a server start is about 45 s, and chunk's 100 prompts, 20 of them
+# 8k tokens long, arrive over 50 s), `serving delayer`, grid (the tuning table), the rest of
+# engine, disagg; tests again when a session has the time (the CUDA kernels changed since they
+# passed). A group's run cut off by the budget is lost whole (bench_serving writes at its end).
 # Carry the `base` wheels for tests (it deselects FlashInfer's tests: their JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving. GPU_SKIP="NAME ..."
 # skips steps already measured (the rest of engine: GPU_SKIP=bench_decode).

@@ -69,6 +69,47 @@ def test_bench_attention_a_failing_variant_is_reported(tmp_path, monkeypatch):
     assert "| a | 2-stages | 16/16/16/1/2 | failed: RuntimeError" in (tmp_path / "attention_smoke.md").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
+def test_bench_attention_times_variants_after_every_case(tmp_path, monkeypatch):
+    """Variants come after every case's own row (the CUDA and FlashInfer columns included), so a
+    time limit cuts variants first; a variant pass that fails is reported and the next goes on."""
+    bench = load_bench()
+    order = []
+    run_case, time_variants = bench.run_case, bench.time_variants
+
+    def logged_case(case, *args, **kwargs):
+        order.append(f"case {case.name}")
+        return run_case(case, *args, **kwargs)
+
+    def logged_variants(row, *args, **kwargs):
+        order.append(f"variants {row['case']}")
+        if row["case"] == "b":
+            raise RuntimeError("out of memory")
+        return time_variants(row, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_case", logged_case)
+    monkeypatch.setattr(bench, "time_variants", logged_variants)
+    report = bench.main(["--smoke", "--cases", "abe", "--triton-variants", "--no-torch", "--out", str(tmp_path)])
+    assert order == ["case a", "case b", "case e", "variants a", "variants b"]
+    a, b, e = report["rows"]
+    assert a["variants"] and a["variants_pick_ms"] > 0 and "variants" not in e
+    assert b["variants_error"] == "RuntimeError: out of memory" and b["ms"] > 0
+    assert (
+        "| b | (the rest) | - | failed: RuntimeError: out of memory |" in (tmp_path / "attention_smoke.md").read_text()
+    )
+
+    def stopped_at_b(row, *args, **kwargs):  # the phase's time limit (SIGTERM) during b's variants
+        if row["case"] == "b":
+            raise bench.Stopped
+        return time_variants(row, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "time_variants", stopped_at_b)
+    report = bench.main(["--smoke", "--cases", "ab", "--triton-variants", "--no-torch", "--out", str(tmp_path)])
+    assert report["stopped_during"] == "the Triton variants of case b"
+    assert report["rows"][0]["variants"] and [r["case"] for r in report["rows"]] == ["a", "b"]
+    assert json.loads((tmp_path / "attention_smoke.json").read_text())["rows"][0]["variants"]
+
+
 def test_flop_and_byte_counts():
     bench = load_bench()
     # one fresh 3-token prompt: queries see 1, 2, 3 keys

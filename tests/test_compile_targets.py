@@ -143,6 +143,9 @@ def test_programs_per_sm():
     assert programs_per_sm(90, 204, 4, 115712) == 2 and programs_per_sm(90, 204, 4, 115713) == 1
     assert programs_per_sm(80, 204, 4, 114688) == 1  # an A100 has 164 KB
     assert programs_per_sm(90, 32, 4, 0) == 16 and programs_per_sm(90, 16, 1, 0) == 32  # warps, then blocks
+    assert programs_per_sm(90, 143, 2, 0) == 6  # 3 warps a quarter: 12, where 65536 / 4608 would allow 14
+    assert programs_per_sm(90, 32, 4, 45600) == 4  # 46624 bytes a block, allocated as 46720
+    assert programs_per_sm(75, 32, 4, 0) is None and programs_per_sm(90, -1, 4, 0) is None
 
 
 def test_compile_report_lists_each_tile_variant():

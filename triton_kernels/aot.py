@@ -194,15 +194,19 @@ def async_waits(compiled) -> list[str]:
 SM_LIMITS = {80: (65536, 64, 32, 167936), 90: (65536, 64, 32, 233472)}
 
 
-def programs_per_sm(arch: int, regs: int, num_warps: int, shared_bytes: int) -> int:
+def programs_per_sm(arch: int, regs: int, num_warps: int, shared_bytes: int) -> int | None:
     """How many programs (thread blocks) of a kernel fit on one SM at once: the tightest of
-    registers, warps, blocks and shared memory. Registers come in 256-register pieces per warp,
-    and a warp takes them from one of the SM's 4 quarters (16384 each); every block also holds 1 KB
-    of shared memory for the system."""
+    registers, warps, blocks and shared memory, as CUDA's occupancy calculator (cuda_occupancy.h)
+    counts them. Registers come in 256-register pieces per warp, and a warp takes them from one of
+    the SM's 4 quarters (16384 each); a block's shared memory, plus 1 KB the system reserves for
+    it, is allocated in 128-byte pieces. None for a target not in SM_LIMITS or no register count."""
+    if arch not in SM_LIMITS or regs < 0:
+        return None
     sm_regs, sm_warps, sm_blocks, sm_shared = SM_LIMITS[arch]
     warp_regs = -(-regs * 32 // 256) * 256
     warps = 4 * (sm_regs // 4 // warp_regs) if regs else sm_warps
-    return min(min(warps, sm_warps) // num_warps, sm_blocks, sm_shared // (shared_bytes + 1024))
+    block_shared = -(-(shared_bytes + 1024) // 128) * 128
+    return min(min(warps, sm_warps) // num_warps, sm_blocks, sm_shared // block_shared)
 
 
 def resources(compiled) -> dict[str, Any]:

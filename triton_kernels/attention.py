@@ -478,7 +478,7 @@ def tile_variants(picked: AttentionConfig) -> dict[str, AttentionConfig]:
         # no spill on sm_90 with Triton 3.6 (3.9 spills 16 B)
         "tile-128-3-stages": picked._replace(tile_n=128, num_stages=3),
     }
-    if picked.block_m == 128:
+    if picked.block_m == 128 and picked.small_m <= 64:  # (a group of 128 heads fills 128 rows alone)
         # 64-row blocks of one warpgroup, two programs an SM (sm_90, bf16 D 128, Triton 3.6: 204
         # registers, 112 KB of shared memory each; the pick's 128-row block takes the whole SM):
         # their warpgroups meet at no common barrier, so one's wgmmas can run while the other takes

@@ -162,9 +162,11 @@ def chosen_kernel(
 ) -> str:
     """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores), "wgmma" (tensor
     cores, Hopper prefill tiles; only when asked for) or "simt". A kernel asked for that cannot
-    take the inputs raises the ValueError ``paged_attention`` would."""
+    take the inputs raises the ValueError ``paged_attention`` would (for a batch with tokens: an
+    empty one returns before any kernel is chosen)."""
     _, args = _attention_call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None, q, impl)
-    code = _lib(q).attention_impl(**args)
+    with _on(q.device):  # (wgmma's check reads the current device's compute capability)
+        code = _lib(q).attention_impl(**args)
     return next(name for name, value in IMPLS.items() if value == code)
 
 
