@@ -131,7 +131,7 @@ def run_case(
 ) -> dict:
     """One case's row: ours, the torch reference, FlashInfer, the CUDA kernels. With
     --triton-variants, a one-launch case also leaves its inputs in ``later`` (case name -> batch,
-    output buffer, our call, its fp64 error) for ``time_variants``."""
+    output buffer, our call, its fp64 error, the tile configs to time) for ``time_variants``."""
     import triton_kernels
     from minengine.ops import cuda as cuda_backend
     from minengine.ops import reference
@@ -170,8 +170,9 @@ def run_case(
                 row[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(f"skip {key} (case {case.name}): {row[f'{key}_error']}", flush=True)
         if args.triton_variants and later is not None:  # timed after every case's own row: time_variants
-            row["triton_config"] = triton_variants(batch, args.num_q_heads // args.num_kv_heads)[0]._asdict()
-            later[case.name] = (batch, out, ours, fp64_error)
+            picked, variants = triton_variants(batch, args.num_q_heads // args.num_kv_heads)
+            row["triton_config"] = picked._asdict()
+            later[case.name] = (batch, out, ours, fp64_error, variants)
         if cuda_backend.available():
             theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
             row["cuda_ms"] = bench(theirs)
@@ -205,14 +206,13 @@ def run_case(
     return row
 
 
-def time_variants(row: dict, kept: tuple, args: argparse.Namespace, bench: Callable) -> None:
+def time_variants(row: dict, kept: tuple, bench: Callable) -> None:
     """The Triton tile configs of ``triton_variants`` on a case's inputs, beside the picked one timed
     again (``variants_pick_ms``), into ``row["variants"]``. Run after every case's own row, so a
     time limit cuts variants, not the cases, the CUDA columns or FlashInfer's."""
     import triton_kernels
 
-    batch, out, ours, fp64_error = kept
-    variants = triton_variants(batch, args.num_q_heads // args.num_kv_heads)[1]
+    batch, out, ours, fp64_error, variants = kept
     row["variants"] = {}
     row["variants_pick_ms"] = bench(ours)
     for name, cfg in variants.items():
@@ -904,7 +904,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
                 continue
             stopped = f"the Triton variants of case {row['case']}"
             try:
-                time_variants(row, later.pop(row["case"]), args, bench)
+                time_variants(row, later.pop(row["case"]), bench)
             except Exception as exc:  # noqa: BLE001  (reported; the other cases' variants go on)
                 row["variants_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"variants of case {row['case']} failed: {row['variants_error']}", flush=True)

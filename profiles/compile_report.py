@@ -98,8 +98,10 @@ def main() -> None:
         for r in csrc_report(["80", "90a"]):
             print(f"{r['arch']:>5} {r['kernel']:<18} {r['regs']:>5} {r['spill']:>6} {r['arrive']:>7}", flush=True)
         return
-    header = ("arch", "dtype", "D", "grp", "kind", "BM", "TN", "warps", "stages", "regs", "spill", "smem", "per_sm")
-    header += ("mma",)
+    header = (
+        *("arch", "dtype", "D", "grp", "kind", "BM", "TN", "warps", "stages"),
+        *("regs", "spill", "smem", "per_sm", "mma"),
+    )
     print(" ".join(f"{h:>6}" for h in header), f"{'loops':>19}", " variant")
     for arch in args.arch:
         for dt in args.dtypes:
