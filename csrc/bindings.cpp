@@ -21,6 +21,7 @@ PYBIND11_MODULE(_C, m) {
     a.part_acc = p("part_acc"), a.part_ml = p("part_ml");
     a.num_tokens = i("num_tokens"), a.num_seqs = i("num_seqs"), a.num_q_heads = i("num_q_heads");
     a.num_kv_heads = i("num_kv_heads"), a.head_dim = i("head_dim"), a.page_size = i("page_size");
+    a.num_pages = i("num_pages");
     a.max_seqlen_q = i("max_seqlen_q"), a.num_splits = i("num_splits");
     a.sq_t = i("sq_t"), a.sq_h = i("sq_h"), a.sk_p = i("sk_p"), a.sk_s = i("sk_s"), a.sk_h = i("sk_h");
     a.sv_p = i("sv_p"), a.sv_s = i("sv_s"), a.sv_h = i("sv_h"), a.so_t = i("so_t"), a.so_h = i("so_h");
@@ -28,13 +29,13 @@ PYBIND11_MODULE(_C, m) {
     a.softmax_scale = kw["softmax_scale"].cast<double>();
     a.dtype = kw["dtype"].cast<int>(), a.impl = kw["impl"].cast<int>();
     a.stream = p("stream");
-    if (kw.size() != 32) throw py::type_error("paged_attention takes exactly the 32 PagedAttentionArgs keywords");
+    if (kw.size() != 33) throw py::type_error("paged_attention takes exactly the 33 PagedAttentionArgs keywords");
     return a;
   };
   m.def("paged_attention", [attention_args](py::kwargs kw) { paged_attention(attention_args(kw)); });
   m.def("attention_impl", [attention_args](py::kwargs kw) { return attention_impl(attention_args(kw)); },
         "which kernel would run for these arguments: 1 the CUDA-core one, 2 the tensor-core one, 3 the "
-        "tensor-core one with wgmma prefill tiles");
+        "tensor-core one with wgmma prefill tiles, 4 those tiles with TMA loads");
 
   m.def(
       "store_kv",

@@ -6,6 +6,7 @@
 #ifdef MINENGINE_EMULATE
 #include "emulate.h"
 #else
+#include <cuda.h>  // CUtensorMap (a type only: the encoder is found through the runtime)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -118,6 +119,19 @@ template <int N> __device__ __forceinline__ void wgmma_wait() { emu::wgmma_wait(
 template <typename T, int N, int TransB, bool Accumulate>
 __device__ __forceinline__ void wgmma_m64k16(float d[N / 2], const uint32_t a[4], uint64_t desc_b) {
   emu::wgmma_m64k16<T>(d, a, desc_b, N, TransB, Accumulate);
+}
+
+// mbarriers and TMA tile loads (emulate.h), and the tensor map type the host encodes.
+using TensorMap = emu::TensorMap;
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) { emu::mbarrier_init(bar, count); }
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  emu::mbarrier_arrive_expect_tx(bar, bytes);
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) { emu::mbarrier_wait(bar, parity); }
+__device__ __forceinline__ bool elect_one() { return emu::lane() == 0; }
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  emu::tma_load_4d(dst, map, bar, c0, c1, c2, c3);
 }
 
 #else
@@ -255,6 +269,63 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int N> __device__ __forceinline__ void wgmma_wait() {
 #if ME_HAS_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// ---- mbarriers and TMA (sm_90a) ------------------------------------------------------------------
+// A transaction barrier in shared memory counts arrivals and the bytes TMA loads deliver; a phase
+// completes when both are in. TMA tile loads read a box of a tensor described by a tensor map
+// (the driver's CUtensorMap, encoded on the host and passed as a __grid_constant__ kernel
+// parameter) into shared memory, zero-filling elements outside the tensor.
+using TensorMap = CUtensorMap;
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
+#if ME_HAS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy
+#endif
+}
+// This thread's arrival, with `bytes` more to come from TMA loads before the phase completes.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+#if ME_HAS_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+#endif
+}
+// One lane of the (whole, converged) warp: true in exactly one. Unlike a test of the lane index, the
+// compiler knows the rest of the warp agrees on what the elected lane does with warp-uniform values.
+__device__ __forceinline__ bool elect_one() {
+#if ME_HAS_WGMMA
+  uint32_t elected = 0;
+  asm volatile("{\n.reg .pred p;\nelect.sync _|p, 0xffffffff;\nselp.u32 %0, 1, 0, p;\n}\n" : "=r"(elected));
+  return elected != 0;
+#else
+  return (threadIdx.x & 31) == 0;
+#endif
+}
+// Returns once the phase with this parity has completed.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+#if ME_HAS_WGMMA
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_address(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+// The box at coordinates (c0, c1, c2, c3), innermost first, of a 4-D map into shared memory at dst,
+// completing on bar. `map` must be the address of a __grid_constant__ parameter (or global memory).
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+#if ME_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_address(bar))
+      : "memory");
 #endif
 }
 

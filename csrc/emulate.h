@@ -14,6 +14,11 @@
 //   at issue, unchecked).
 //   A wgmma needs a wgmma.fence since the last wait, and shared memory written by cp.async needs
 //   fence.proxy.async before a wgmma reads it;
+// - Hopper's mbarriers (init, arrive with an expected transaction count, wait on a phase parity) and
+//   TMA tile loads (cp.async.bulk.tensor, 4-D, 128B swizzle, out-of-bound elements zero-filled)
+//   that complete on an mbarrier: a load lands when a thread first waits for the barrier's phase
+//   (or at issue, with cp.async's landing at issue), and its source elements are checked as
+//   cp.async's are (readable, no NaN);
 // - dynamic shared memory, one buffer per block, filled with a NaN pattern before each block;
 // - the alignment rule of cp.async (source and destination aligned to the copy size), and its
 //   bounds: the destination inside the block's shared memory, the source inside the memory the
@@ -61,6 +66,32 @@ struct WgmmaOp {
   int n, trans_b, bf16, accumulate;
 };
 
+// A TMA tensor map as this emulator encodes it (the driver's CUtensorMap is opaque): a tiled map
+// of 2-byte elements with 128B swizzle, dims innermost first, strides in bytes (dim 0 contiguous).
+struct alignas(64) TensorMap {
+  const char* base = nullptr;
+  uint64_t dims[4] = {0, 0, 0, 0};
+  uint64_t strides[4] = {2, 0, 0, 0};
+  uint32_t box[4] = {0, 0, 0, 0};
+  bool encoded = false;
+};
+
+struct TmaOp {
+  uint32_t dst;  // shared-window address
+  TensorMap map;  // read at issue, as the GPU does
+  int coords[4];
+};
+
+// An mbarrier: `expected` arrivals a phase, the ones still pending, the transaction bytes still
+// expected (arrive.expect_tx adds, landed TMA loads subtract), the completed phases, and the TMA
+// loads issued against the current phase that have not landed.
+struct MBarrier {
+  int expected = 0, pending = 0;
+  int64_t tx = 0;
+  uint64_t phase = 0;
+  std::vector<TmaOp> loads;
+};
+
 struct Fiber {
   ucontext_t context;
   std::vector<char> stack;
@@ -92,6 +123,7 @@ struct Block {
   std::vector<Barrier> warpgroup_barriers;
   std::vector<LaneSlot> exchange;  // [warp][slot][lane]
   std::vector<char> smem;
+  std::vector<std::pair<uint32_t, MBarrier>> mbarriers;  // by shared-window address, this block's
   std::string error;
   std::function<void()> body;
   uint3 block_idx{0, 0, 0};
@@ -154,6 +186,19 @@ inline V shfl_xor(unsigned mask, V value, int offset) {
                     [&](LaneSlot* slots) {
                       V out;
                       std::memcpy(&out, &slots[(lane() ^ static_cast<unsigned>(offset)) & 31u].word, sizeof(V));
+                      return out;
+                    });
+}
+
+// __shfl_sync(full mask, value, src): every lane gets lane src's value.
+template <typename V>
+inline V shfl_idx(unsigned mask, V value, int src) {
+  static_assert(sizeof(V) <= sizeof(uint64_t), "shuffle of a type wider than 64 bits");
+  if (mask != 0xffffffffu) throw std::runtime_error("__shfl_sync with a partial lane mask (not emulated)");
+  return collective([&](LaneSlot& s) { std::memcpy(&s.word, &value, sizeof(V)); },
+                    [&](LaneSlot* slots) {
+                      V out;
+                      std::memcpy(&out, &slots[static_cast<unsigned>(src) & 31u].word, sizeof(V));
                       return out;
                     });
 }
@@ -434,6 +479,122 @@ inline void wgmma_wait(int pending) {
   f->wg_fenced = false;
 }
 
+// ---- mbarriers and TMA ----------------------------------------------------------------------------
+
+inline MBarrier* find_mbarrier(uint32_t address) {
+  for (auto& [at, bar] : state().mbarriers) {
+    if (at == address) return &bar;
+  }
+  return nullptr;
+}
+
+inline MBarrier& mbarrier_at(const void* p) {
+  MBarrier* bar = find_mbarrier(shared_address(p));
+  if (bar == nullptr) throw std::runtime_error("an mbarrier used before mbarrier.init");
+  return *bar;
+}
+
+inline void mbarrier_init(void* p, int count) {
+  const uint32_t address = shared_address(p);
+  if (address % 8 != 0) throw std::runtime_error("mbarrier not 8-byte aligned");
+  if (count < 1) throw std::runtime_error("mbarrier.init with count " + std::to_string(count));
+  MBarrier* bar = find_mbarrier(address);
+  if (bar == nullptr) bar = &state().mbarriers.emplace_back(address, MBarrier{}).second;
+  *bar = MBarrier{count, count, 0, 0, {}};
+}
+
+inline void complete_phase_if_done(MBarrier& bar) {
+  if (bar.pending == 0 && bar.tx == 0) {
+    if (!bar.loads.empty()) throw std::runtime_error("an mbarrier phase completed with TMA loads in flight");
+    ++bar.phase;
+    bar.pending = bar.expected;
+  }
+}
+
+inline void mbarrier_arrive_expect_tx(void* p, uint32_t bytes) {
+  MBarrier& bar = mbarrier_at(p);
+  if (bar.pending == 0) throw std::runtime_error("mbarrier arrival past the expected count");
+  bar.tx += bytes;
+  --bar.pending;
+  ++state().events;  // progress: a thread waiting on the barrier may go on
+  complete_phase_if_done(bar);
+}
+
+// One TMA tile load: the box at `coords` of the map into shared memory at dst, rows of box[0]
+// elements (128 bytes) with the 128B swizzle (16-byte chunk ^= shared address bits 7-9).
+inline void tma_land(const TmaOp& op) {
+  const Block& b = state();
+  const TensorMap& m = op.map;
+  const auto& ranges = readable();
+  uint32_t at = op.dst;
+  for (uint32_t i3 = 0; i3 < m.box[3]; ++i3)
+    for (uint32_t i2 = 0; i2 < m.box[2]; ++i2)
+      for (uint32_t i1 = 0; i1 < m.box[1]; ++i1)
+        for (uint32_t i0 = 0; i0 < m.box[0]; ++i0, at += 2) {
+          const int64_t c[4] = {int64_t{op.coords[0]} + i0, int64_t{op.coords[1]} + i1, int64_t{op.coords[2]} + i2,
+                                int64_t{op.coords[3]} + i3};
+          uint16_t bits = 0;
+          bool inside = true;
+          for (int d = 0; d < 4; ++d) inside = inside && c[d] >= 0 && static_cast<uint64_t>(c[d]) < m.dims[d];
+          if (inside) {
+            const char* src = m.base;
+            for (int d = 0; d < 4; ++d) src += c[d] * static_cast<int64_t>(m.strides[d]);
+            const auto s = reinterpret_cast<uintptr_t>(src);
+            if (!ranges.empty() && std::none_of(ranges.begin(), ranges.end(), [&](const auto& r) {
+                  return s >= r.first && s + 2 <= r.second;
+                })) {
+              throw std::runtime_error("TMA load reads outside the memory declared readable (the K/V caches)");
+            }
+            if (has_nan16(src, 2)) {
+              throw std::runtime_error("TMA load reads a NaN: a K/V slot the kernel must not read (past seq_len)");
+            }
+            std::memcpy(&bits, src, 2);
+          }
+          const uint32_t swizzled = at ^ (((at >> 7) & 7u) << 4);
+          std::memcpy(const_cast<char*>(b.smem.data()) + (swizzled - kSharedBase), &bits, 2);
+        }
+}
+
+inline void tma_load_4d(void* dst, const TensorMap* map, void* bar_ptr, int c0, int c1, int c2, int c3) {
+  const Block& b = state();
+  if (map == nullptr || !map->encoded) throw std::runtime_error("TMA load through a tensor map never encoded");
+  const uint32_t dst_at = shared_address(dst);
+  const uint64_t bytes = uint64_t{map->box[0]} * map->box[1] * map->box[2] * map->box[3] * 2;
+  // The kernels' swizzled stages start on 1024-byte boundaries (where the swizzle pattern starts).
+  if ((dst_at % 1024) != 0) throw std::runtime_error("TMA load (128B swizzle) to shared memory not 1024-byte aligned");
+  if (dst_at - kSharedBase + bytes > b.smem.size()) throw std::runtime_error("TMA load past the end of shared memory");
+  MBarrier& bar = mbarrier_at(bar_ptr);
+  const TmaOp op{dst_at, *map, {c0, c1, c2, c3}};
+  if (land_at_issue()) {
+    tma_land(op);
+    bar.tx -= static_cast<int64_t>(bytes);
+    complete_phase_if_done(bar);
+    return;
+  }
+  bar.loads.push_back(op);
+}
+
+// mbarrier.try_wait.parity in a loop: returns once the phase with this parity has completed (the
+// current phase's parity differs). The loads of the phase land at the first wait; a phase that
+// cannot complete (arrivals or transaction bytes missing) is a hang, reported by run_block.
+inline void mbarrier_wait(void* p, uint32_t parity) {
+  MBarrier& bar = mbarrier_at(p);
+  if ((bar.phase & 1) != (parity & 1)) return;
+  const uint64_t phase = bar.phase;
+  std::vector<TmaOp> loads = std::move(bar.loads);
+  bar.loads.clear();
+  for (const TmaOp& op : loads) {
+    tma_land(op);
+    const TensorMap& m = op.map;
+    bar.tx -= static_cast<int64_t>(uint64_t{m.box[0]} * m.box[1] * m.box[2] * m.box[3] * 2);
+  }
+  if (bar.pending == 0 && bar.tx < 0) {
+    throw std::runtime_error("TMA loads landed more bytes than the mbarrier expected");
+  }
+  complete_phase_if_done(bar);
+  while (mbarrier_at(p).phase == phase) yield();
+}
+
 inline void fiber_entry() {
   Block& b = state();
   try {
@@ -456,6 +617,7 @@ inline void run_block() {
   b.warpgroup_barriers.assign((threads + 127) / 128, Barrier{128});
   b.exchange.assign(b.warp_barriers.size() * 2 * 32, LaneSlot{});
   std::fill(b.smem.begin(), b.smem.end(), static_cast<char>(0xff));  // NaN in every float type
+  b.mbarriers.clear();
   for (unsigned i = 0; i < threads; ++i) {
     Fiber& f = b.fibers[i];
     f.stack.resize(kStack);
@@ -543,9 +705,13 @@ inline uint3 thread_idx3() {
 #ifndef __launch_bounds__
 #define __launch_bounds__(...)
 #endif
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
 #define threadIdx (::minengine::emu::thread_idx3())
 #define blockIdx (::minengine::emu::state().block_idx)
 #define blockDim (::minengine::emu::state().block)
 #define gridDim (::minengine::emu::state().grid)
 #define __syncthreads() ::minengine::emu::syncthreads()
 #define __shfl_xor_sync(mask, value, offset) ::minengine::emu::shfl_xor((mask), (value), (offset))
+#define __shfl_sync(mask, value, src) ::minengine::emu::shfl_idx((mask), (value), (src))

@@ -9,13 +9,21 @@ namespace minengine {
 // impl: kAttentionAuto picks the tensor-core kernel when it applies (fp16/bf16 and 16-byte aligned
 // K/V rows, 4-byte aligned q rows), else the CUDA-core one. kAttentionWgmma, never picked by auto,
 // runs the tensor-core kernel with Hopper wgmma prefill tiles (an sm_90 GPU, a 9.0a build,
-// head_dim <= 128). num_splits > 1 (the tensor-core kernel; the CUDA-core one ignores it) needs
+// head_dim <= 128); kAttentionWgmmaTma the same tiles with their K/V stages loaded by TMA where
+// whole chunks of pages allow (page_size 8, 16, 32, 64 or a multiple of 64; on other pages it runs
+// kAttentionWgmma). num_splits > 1 (the tensor-core kernel; the CUDA-core one ignores it) needs
 // part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
-enum AttentionImpl : int { kAttentionAuto = 0, kAttentionSimt = 1, kAttentionMma = 2, kAttentionWgmma = 3 };
+enum AttentionImpl : int {
+  kAttentionAuto = 0,
+  kAttentionSimt = 1,
+  kAttentionMma = 2,
+  kAttentionWgmma = 3,
+  kAttentionWgmmaTma = 4
+};
 
 struct PagedAttentionArgs {
   uintptr_t q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, part_acc, part_ml;
-  int64_t num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, page_size, max_seqlen_q, num_splits;
+  int64_t num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, page_size, num_pages, max_seqlen_q, num_splits;
   int64_t sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, so_t, so_h, sbt;
   double softmax_scale;
   int dtype, impl;
@@ -38,7 +46,8 @@ struct GatherArgs {
 };
 
 void paged_attention(const PagedAttentionArgs& args);
-// Which kernel paged_attention runs for these arguments (kAttentionSimt, kAttentionMma or kAttentionWgmma);
+// Which kernel paged_attention runs for these arguments (kAttentionSimt, kAttentionMma, kAttentionWgmma or
+// kAttentionWgmmaTma);
 // std::invalid_argument, as from paged_attention, where the kernel asked for cannot take them.
 int attention_impl(const PagedAttentionArgs& args);
 void store_kv(const StoreKVArgs& args);

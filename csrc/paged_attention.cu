@@ -29,10 +29,15 @@
 // walks every 4th visible key with its lanes splitting the head dim, then the warps merge.
 //
 // Offsets into q, caches and out are 64-bit; accumulation is fp32.
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 
 #include "common.cuh"
 #include "kernels.h"
+#ifndef MINENGINE_EMULATE
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#endif
 
 namespace minengine {
 
@@ -150,6 +155,8 @@ __global__ void __launch_bounds__(kThreads)
 // ---- tensor-core kernel ------------------------------------------------------------------------
 
 struct MmaParams {
+  TensorMap k_map, v_map;  // wgmma-tma: the caches as TMA maps (encode_kv_map); unused otherwise
+  int tma_rows, tma_shift, tma_chunks;  // wgmma-tma: slots a TMA box holds (min(page_size, 64)), log2, boxes a stage
   const void* q;
   const void* k_cache;
   const void* v_cache;
@@ -200,8 +207,12 @@ template <typename T, int D, bool WG> __host__ __device__ constexpr size_t mma_o
   constexpr size_t merge = sizeof(float) * 4 * 16 * (D + 2);  // decode tiles: 4 warps' partials
   return (max3(prefill, decode, merge) + 15) / 16 * 16;
 }
-template <typename T, int D, bool WG> constexpr size_t mma_smem_bytes() {
-  return mma_offsets_at<T, D, WG>() + kOffsetBytes;
+// wgmma-tma tiles also keep, after the key offsets, two stages' page ids of their TMA chunks (-1:
+// the chunk comes by cp.async) and the two stage buffers' mbarriers.
+constexpr int kMaxTmaChunks = 8;  // 64 keys in chunks of at least 8 slots
+constexpr size_t kTmaBytes = sizeof(int32_t) * 2 * kMaxTmaChunks + sizeof(uint64_t) * 2;
+template <typename T, int D, bool WG, bool TMA = false> constexpr size_t mma_smem_bytes() {
+  return mma_offsets_at<T, D, WG>() + kOffsetBytes + (TMA ? kTmaBytes : 0);
 }
 
 // The rows and keys of one tile of BM rows of sequence `seq`, starting at row tile * BM, and the two
@@ -303,12 +314,15 @@ __device__ __forceinline__ void store_key(const MmaParams& p, const KeyLookup& k
                                           static_cast<int64_t>(k.slot) * (v ? p.sv_s : p.sk_s);
 }
 
+// wgmma-tma: the offset entry of a key whose rows a TMA load brings (store_key_tma).
+constexpr int64_t kByTma = -2;
+
 // K/V rows [stage * KEYS, + KEYS) into shared memory from their offsets (store_key), the 16-byte
 // chunk (row, c) at element offset place(row, c) of ks and vs. Thread i copies chunk i % CHUNKS of
 // rows i / CHUNKS + j * ROWS. Keys with offset -1 are zero-filled without a read; chunks past
 // head_dim are skipped (ZERO_PAD false: never read back) or zero-filled (ZERO_PAD true: read by
-// whole 64-dim wgmma operands).
-template <typename T, int D, int KEYS, bool ZERO_PAD, typename Place>
+// whole 64-dim wgmma operands). SKIP_TMA: rows with offset kByTma are left to their TMA load.
+template <typename T, int D, int KEYS, bool ZERO_PAD, typename Place, bool SKIP_TMA = false>
 __device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int64_t* offsets, T* ks, T* vs, Place place) {
   constexpr int CHUNKS = D / 8, ROWS = kThreads / CHUNKS;
   static_assert(kThreads % CHUNKS == 0 && KEYS % ROWS == 0, "whole rows per pass, whole passes per stage");
@@ -323,6 +337,7 @@ __device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int64_t*
   for (int j = 0; j < KEYS / ROWS; ++j) {
     const int row = row0 + j * ROWS;
     const longlong2 at_kv = pairs[row];
+    if (SKIP_TMA && at_kv.x == kByTma) continue;
     const bool live = in_dim && at_kv.x >= 0;
     const int at = place(row, c);
     cp_async_16(ks + at, live ? k_head + at_kv.x : k_head, live ? 16 : 0);
@@ -429,9 +444,12 @@ __device__ __forceinline__ void store_rows(const MmaParams& p, const TileRows& r
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (!r.valid[i]) continue;
+    // The row's token and head again (as tile_rows found them): not kept in registers through the loop.
+    const int row = r.row0 + static_cast<int>(threadIdx.x >> 5) * 16 + static_cast<int>(threadIdx.x & 31) / 4 + 8 * i;
+    const int tok = r.q_start + row / p.group, head = static_cast<int>(blockIdx.y) * p.group + row % p.group;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const int64_t w = workspace_row(p, r.tok[i], r.head[i]);
-    T* o = out + static_cast<int64_t>(r.tok[i]) * p.so_t + static_cast<int64_t>(r.head[i]) * p.so_h;
+    const int64_t w = workspace_row(p, tok, head);
+    T* o = out + static_cast<int64_t>(tok) * p.so_t + static_cast<int64_t>(head) * p.so_h;
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) {
       const int d = dn * 8 + 2 * t;
@@ -460,10 +478,10 @@ template <int KEYS> struct StageOffsets {
 };
 
 // The key offsets of a tile's first two stages (the loop then stores each stage's two ahead), published
-// by a barrier before the first copy reads them.
-template <int KEYS>
+// by a barrier before the first copy reads them. store(lookup, stage) writes a stage's entries.
+template <int KEYS, typename Store>
 __device__ __forceinline__ void start_offsets(const MmaParams& p, const int32_t* table, const TileRows& r,
-                                              const StageOffsets<KEYS>& offsets) {
+                                              const StageOffsets<KEYS>& offsets, Store store) {
 #ifdef MINENGINE_EMULATE
   // The emulator fills shared memory with 0xff bytes, which read as offset -1 (skip the key): poison
   // the entries with an offset far outside the caches first, so a copy that reads one before it is
@@ -476,8 +494,8 @@ __device__ __forceinline__ void start_offsets(const MmaParams& p, const int32_t*
 #endif
   const KeyLookup first = lookup_key<KEYS>(p, table, r.stage_lo, r.key_hi);
   const KeyLookup second = lookup_key<KEYS>(p, table, r.stage_lo + 1, r.key_hi);
-  store_key<KEYS>(p, first, offsets.of(r.stage_lo));
-  store_key<KEYS>(p, second, offsets.of(r.stage_lo + 1));
+  store(first, r.stage_lo);
+  store(second, r.stage_lo + 1);
   __syncthreads();
 }
 
@@ -504,7 +522,8 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t
                                      RowMajor<LD>{});
   };
 
-  start_offsets<KEYS>(p, table, r, stage_offsets);
+  auto store = [&](const KeyLookup& k, int stage) { store_key<KEYS>(p, k, stage_offsets.of(stage)); };
+  start_offsets<KEYS>(p, table, r, stage_offsets, store);
   if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
   cp_async_commit();
   for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
@@ -558,8 +577,8 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t
         mma_16816<T>(acc[dn + 1], a, b1);
       }
     }
-    store_key<KEYS>(p, ahead, stage_offsets.of(stage + 2));  // stage's own entries are read: reuse them
-    __syncthreads();  // the buffer is refilled next; the entries are published
+    store(ahead, stage + 2);  // stage's own entries are read: reuse them
+    __syncthreads();          // the buffer is refilled next; the entries are published
     if (STAGES == 1 && stage + 1 < r.stage_hi) {
       load_stage(stage + 1, 0);
       cp_async_commit();
@@ -622,13 +641,70 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t
   }
 }
 
+// wgmma-tma: a stage's keys come in chunks of p.tma_rows slots of one page (a power of two: the
+// page size, or 64 where pages hold a multiple of 64 slots). A chunk that starts before key_hi and
+// ends at or before seq_len (every slot a written cache row) comes by TMA, one box per 64 dims of K
+// and of V; the rest (the chunk holding seq_len, chunks past key_hi) is copied key by key with
+// cp.async as in the cp.async tile, zero-filling what must not be read. Chunks start at multiples
+// of tma_rows, so the TMA chunks are those starting below tma_hi = min(key_hi, seq_len & -tma_rows).
+// store_key_tma writes a key's offset entry (kByTma in TMA chunks) and, from a chunk's first key,
+// the chunk's page id (-1: by cp.async).
+template <int KEYS>
+__device__ __forceinline__ void store_key_tma(const MmaParams& p, const KeyLookup& k, int stage, int tma_hi,
+                                              int64_t* offsets, int32_t* pages) {
+  if (threadIdx.x >= 2 * KEYS) return;
+  const int key = stage * KEYS + static_cast<int>(threadIdx.x) / 2, first = key & -p.tma_rows;
+  const bool tma = first < tma_hi;  // below key_hi: k.page was read
+  if (tma) {
+    offsets[threadIdx.x] = kByTma;
+  } else {
+    store_key<KEYS>(p, k, offsets);
+  }
+  if (key == first && (threadIdx.x & 1) == 0) pages[(key - stage * KEYS) >> p.tma_shift] = tma ? k.page : -1;
+}
+
+// wgmma-tma, every thread: each warp issues its TMA chunks' loads (j = warp, warp + 4, ...; the warps
+// share the issue work) into the [D / 64][KEYS][64] swizzled buffers (chunk j at row j * tma_rows,
+// 1024-byte aligned as the swizzle pattern needs: tma_rows >= 8), then arrives on the stage
+// buffer's mbarrier (one arrival a warp) expecting their bytes; the barrier's transaction count may
+// dip below zero until then. The warp index and page ids are shuffled from lane 0, so the compiler
+// keeps the loads' operands in uniform registers and one elected lane issues each load, instead of
+// a loop over the lanes' distinct operands per load.
+template <typename T, int D>
+__device__ __forceinline__ void issue_tma_chunks(const MmaParams& p, const int32_t* pages, T* ks, T* vs, uint64_t* bar,
+                                                 int stage) {
+  constexpr int KEYS = kWgmmaKeys, WARPS = kThreads / 32;
+  const int rows = p.tma_rows, kv_head = blockIdx.y;
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
+  const bool leader = elect_one();
+  uint32_t bytes = 0;
+  for (int j = warp; j < p.tma_chunks; j += WARPS) {
+    const int page = __shfl_sync(0xffffffffu, pages[j], 0);
+    if (page < 0) continue;
+    const int key = stage * KEYS + j * rows;
+    const int slot = key - p.page.div(key) * static_cast<int>(p.page.divisor);  // 0 unless pages exceed 64 slots
+    if (leader) {
+#pragma unroll
+      for (int a = 0; a < D / 64; ++a) {
+        const int at = (a * KEYS + j * rows) * 64;
+        tma_load_4d(ks + at, &p.k_map, bar, a * 64, slot, kv_head, page);
+        tma_load_4d(vs + at, &p.v_map, bar, a * 64, slot, kv_head, page);
+      }
+    }
+    bytes += 2u * (D / 64) * rows * 128u;
+  }
+  if (leader) mbarrier_arrive_expect_tx(bar, bytes);  // a stage without TMA chunks completes with the arrivals
+}
+
 // One 64-row prefill tile on Hopper's warpgroup MMA (the block's 4 warps are one warpgroup).
 // K/V stages are stored as [D / 64][KEYS][64] with 128-byte rows whose 16-byte chunks are XORed
 // with the row index (the 128B-swizzle layout), which makes them wgmma B operands: K-major for
 // S = Q K^T (K rows), N-major (transposed) for O += P V. Q and P stay in registers as A operands;
 // each stage issues D / 16 wgmmas of N = 64 keys for S and 4 of N = D dims for P V, waiting for each
 // group before the softmax reads S or the next stage rescales O.
-template <typename T, int D>
+// TMA: K/V stages by TMA where whole chunks of pages allow (store_key_tma), completing on an mbarrier
+// per stage buffer.
+template <typename T, int D, bool TMA>
 __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64_t* offsets, int seq, int tile) {
   constexpr int KEYS = kWgmmaKeys, STAGES = kWgmmaStages;
   constexpr uint32_t ATOMS = KEYS * 128, STAGE_BYTES = ATOMS * (D / 64);  // bytes per 64-dim block, per stage
@@ -647,12 +723,36 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
   const uint64_t v_desc0 = sw128_descriptor(smem_address(vs), ATOMS, 1024);
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
   const StageOffsets<KEYS> stage_offsets{offsets, r.stage_lo};
+  int32_t* pages = reinterpret_cast<int32_t*>(offsets + 2 * 2 * kMaxStageKeys);  // [2][kMaxTmaChunks] (TMA)
+  uint64_t* bars = reinterpret_cast<uint64_t*>(pages + 2 * kMaxTmaChunks);       // [STAGES] (TMA)
+  auto pages_of = [&](int stage) { return pages + ((stage - r.stage_lo) & 1) * kMaxTmaChunks; };
+  const int whole = TMA ? p.seq_lens[seq] & -p.tma_rows : 0;  // seq_len rounded down to a chunk
+  const int tma_hi = whole < r.key_hi ? whole : r.key_hi;
+  auto store = [&](const KeyLookup& k, int stage) {
+    if constexpr (TMA) {
+      store_key_tma<KEYS>(p, k, stage, tma_hi, stage_offsets.of(stage), pages_of(stage));
+    } else {
+      store_key<KEYS>(p, k, stage_offsets.of(stage));
+    }
+  };
   auto load_stage = [&](int stage, int buf) {
     const int at = buf * STAGE_BYTES / sizeof(T);
-    load_kv_stage<T, D, KEYS, true>(p, stage_offsets.of(stage), ks + at, vs + at, Swizzle128<KEYS>{});
+    if constexpr (TMA) {
+      issue_tma_chunks<T, D>(p, pages_of(stage), ks + at, vs + at, &bars[buf], stage);
+      if ((stage + 1) * KEYS - p.tma_rows < tma_hi) return;  // every chunk by TMA (store_key_tma)
+    }
+    load_kv_stage<T, D, KEYS, true, Swizzle128<KEYS>, TMA>(p, stage_offsets.of(stage), ks + at, vs + at,
+                                                           Swizzle128<KEYS>{});
   };
 
-  start_offsets<KEYS>(p, table, r, stage_offsets);
+  if constexpr (TMA) {
+    static_assert(STAGES == 2, "a barrier per stage buffer");
+    if (threadIdx.x == 0) {  // an arrival a warp (issue_tma_chunks); published by start_offsets' barrier
+      mbarrier_init(&bars[0], kThreads / 32);
+      mbarrier_init(&bars[1], kThreads / 32);
+    }
+  }
+  start_offsets<KEYS>(p, table, r, stage_offsets, store);
   if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
   cp_async_commit();
   for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
@@ -661,6 +761,8 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
     if (stage + 1 < r.stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
     cp_async_commit();
     cp_async_wait<1>();
+    // The buffer's TMA loads: its n-th fill (n = (stage - stage_lo) / 2) completes phase n.
+    if constexpr (TMA) mbarrier_wait(&bars[buf], static_cast<uint32_t>((stage - r.stage_lo) >> 1) & 1u);
     fence_proxy_async();  // the landed copies, to the async proxy wgmma reads through
     __syncthreads();
 
@@ -698,8 +800,8 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers<D / 2>(&acc[0][0]);
-    store_key<KEYS>(p, ahead, stage_offsets.of(stage + 2));  // stage's own entries are read: reuse them
-    __syncthreads();  // the buffer is refilled next; the entries are published
+    store(ahead, stage + 2);  // stage's own entries are read: reuse them
+    __syncthreads();          // the buffer is refilled next; the entries are published
   }
   quad_sum(l);
   store_rows<T, D>(p, r, t, acc, m, l);
@@ -710,9 +812,13 @@ __device__ __forceinline__ bool decode_kind(const MmaParams& p, int seq) {
   return (p.cu[seq + 1] - p.cu[seq]) * p.group <= 16;
 }
 
-// WG: prefill tiles on wgmma (sm_90a, D <= 128) instead of mma.sync; decode tiles are the same.
-template <typename T, int D, bool WG>
-__global__ void __launch_bounds__(kThreads) attention_mma_kernel(const MmaParams p) {
+// WG: prefill tiles on wgmma (sm_90a, D <= 128) instead of mma.sync, TMA: their K/V by TMA where
+// pages allow; decode tiles are the same. p is a __grid_constant__ so its tensor maps have an
+// address TMA can read. The wgmma kernels keep to 168 registers at D 128 (three blocks an SM), 128
+// at D 64 (four).
+template <typename T, int D, bool WG, bool TMA>
+__global__ void __launch_bounds__(kThreads, WG ? (D > 64 ? 3 : 4) : 0)
+    attention_mma_kernel(const __grid_constant__ MmaParams p) {
   ME_DYNAMIC_SMEM(smem);
   using S = MmaShape<D>;
   constexpr size_t offsets_at = mma_offsets_at<T, D, WG>();
@@ -728,7 +834,7 @@ __global__ void __launch_bounds__(kThreads) attention_mma_kernel(const MmaParams
     if (decode_kind(p, lo)) return;
     const int tile = bid - static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group / 64) - lo;
     if constexpr (WG) {
-      wgmma_tile<T, D>(p, smem, offsets, lo, tile);
+      wgmma_tile<T, D, TMA>(p, smem, offsets, lo, tile);
     } else {
       mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, offsets, lo, tile);
     }
@@ -817,20 +923,81 @@ std::string wgmma_unsupported(const PagedAttentionArgs& a) {
 #endif
 }
 
+// Whether the wgmma tiles can load these caches by TMA (the wgmma kernel's rules hold): pages that
+// split into whole chunks of a stage's 64 keys, at least 8 slots (1024-byte aligned swizzle atoms);
+// strides and sizes within what a tensor map holds.
+bool tma_applies(const PagedAttentionArgs& a) {
+  const bool chunks = a.page_size % 64 == 0 || (a.page_size >= 8 && 64 % a.page_size == 0);
+  const int64_t strides[] = {a.sk_p, a.sk_s, a.sk_h, a.sv_p, a.sv_s, a.sv_h};
+  const bool small =
+      std::all_of(std::begin(strides), std::end(strides), [](int64_t s) { return s < (int64_t{1} << 39); });
+  return chunks && small && a.num_pages >= 1 && a.num_pages <= (int64_t{1} << 31);
+}
+
+#ifndef MINENGINE_EMULATE
+// The driver's tensor-map encoder, through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                           &found);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled (the wgmma-tma kernel needs CUDA 12)");
+  }
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+}
+#endif
+
+// A K or V cache as the 4-D TMA map the wgmma-tma tiles load from: dims (head_dim, page_size,
+// num_kv_heads, num_pages) innermost first, strides in bytes; boxes of 64 dims x `rows` slots of
+// one head and page, 128B-swizzled (the wgmma B-operand layout); dims past head_dim read as zeros.
+void encode_kv_map(TensorMap* map, uintptr_t base, int dtype, const PagedAttentionArgs& a, int64_t s_page,
+                   int64_t s_slot, int64_t s_head, int rows) {
+  const uint64_t dims[4] = {static_cast<uint64_t>(a.head_dim), static_cast<uint64_t>(a.page_size),
+                            static_cast<uint64_t>(a.num_kv_heads), static_cast<uint64_t>(a.num_pages)};
+  const uint64_t strides[3] = {static_cast<uint64_t>(s_slot) * 2, static_cast<uint64_t>(s_head) * 2,
+                               static_cast<uint64_t>(s_page) * 2};
+  const uint32_t box[4] = {64, static_cast<uint32_t>(rows), 1, 1};
+#ifdef MINENGINE_EMULATE
+  (void)dtype;
+  *map = TensorMap{};
+  map->base = reinterpret_cast<const char*>(base);
+  for (int d = 0; d < 4; ++d) map->dims[d] = dims[d], map->box[d] = box[d];
+  for (int d = 1; d < 4; ++d) map->strides[d] = strides[d - 1];
+  map->encoded = true;
+#else
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = dtype == kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult rc = encode(map, type, 4, reinterpret_cast<void*>(base), dims, strides, box, element_strides,
+                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (rc != CUDA_SUCCESS) {
+    throw std::runtime_error("cuTensorMapEncodeTiled refused a K/V cache map (CUresult " + std::to_string(rc) + ")");
+  }
+#endif
+}
+
 }  // namespace
 
 // The kernel paged_attention runs: auto's pick, or the one asked for if it can take the arguments
-// (else std::invalid_argument saying why, as paged_attention would).
+// (else std::invalid_argument saying why, as paged_attention would). wgmma-tma asked for on caches
+// TMA cannot load (tma_applies) runs the wgmma kernel as it is, with cp.async.
 int attention_impl(const PagedAttentionArgs& a) {
   if (a.impl == kAttentionAuto) return mma_unsupported(a).empty() ? kAttentionMma : kAttentionSimt;
-  if (a.impl == kAttentionMma || a.impl == kAttentionWgmma) {
-    const std::string why = a.impl == kAttentionWgmma ? wgmma_unsupported(a) : mma_unsupported(a);
+  if (a.impl == kAttentionMma || a.impl == kAttentionWgmma || a.impl == kAttentionWgmmaTma) {
+    const std::string why = a.impl == kAttentionMma ? mma_unsupported(a) : wgmma_unsupported(a);
     if (!why.empty()) throw std::invalid_argument(why);
+    if (a.impl == kAttentionWgmmaTma && !tma_applies(a)) return kAttentionWgmma;
     return a.impl;
   }
   if (a.impl == kAttentionSimt) return a.impl;
   throw std::invalid_argument("attention impl " + std::to_string(a.impl) +
-                              "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma)");
+                              "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma), 4 (wgmma-tma)");
 }
 
 namespace {
@@ -851,10 +1018,10 @@ void launch_simt(const PagedAttentionArgs& a, const FastDiv& page, cudaStream_t 
   check_launch("paged_attention (CUDA cores)");
 }
 
-template <typename T, int D, bool WG>
+template <typename T, int D, bool WG, bool TMA = false>
 void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
-  auto kernel = attention_mma_kernel<T, D, WG>;
-  constexpr size_t smem = mma_smem_bytes<T, D, WG>();
+  auto kernel = attention_mma_kernel<T, D, WG, TMA>;
+  constexpr size_t smem = mma_smem_bytes<T, D, WG, TMA>();
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   const dim3 grid(static_cast<unsigned>(p.prefill_blocks + a.num_seqs + 1), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(a.num_splits));
@@ -870,8 +1037,11 @@ void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_
 }
 
 template <typename T>
-void launch_mma(const PagedAttentionArgs& a, const MmaParams& p, bool wgmma, cudaStream_t stream) {
-  if (wgmma) {  // head_dim <= 128 (wgmma_unsupported)
+void launch_mma(const PagedAttentionArgs& a, const MmaParams& p, int impl, cudaStream_t stream) {
+  if (impl == kAttentionWgmmaTma) {  // head_dim <= 128 (wgmma_unsupported)
+    if (a.head_dim <= 64) launch_mma_dim<T, 64, true, true>(a, p, stream);
+    else launch_mma_dim<T, 128, true, true>(a, p, stream);
+  } else if (impl == kAttentionWgmma) {
     if (a.head_dim <= 64) launch_mma_dim<T, 64, true>(a, p, stream);
     else launch_mma_dim<T, 128, true>(a, p, stream);
   } else if (a.head_dim <= 64) {
@@ -901,7 +1071,6 @@ void paged_attention(const PagedAttentionArgs& a) {
     launch_simt(a, page, stream);
     return;
   }
-  const bool wgmma = impl == kAttentionWgmma;  // (attention_impl checked that it applies)
   if (a.num_splits > 1 && (a.part_acc == 0 || a.part_ml == 0)) {
     throw std::invalid_argument("num_splits > 1 needs the part_acc and part_ml workspaces");
   }
@@ -930,8 +1099,15 @@ void paged_attention(const PagedAttentionArgs& a) {
   p.sv_p = a.sv_p, p.sv_s = a.sv_s, p.sv_h = a.sv_h, p.so_t = a.so_t, p.so_h = a.so_h, p.sbt = a.sbt;
   p.scale_log2 = static_cast<float>(std::fabs(a.softmax_scale)) * kLog2e;
   p.q_sign = a.softmax_scale < 0 ? 0x80008000u : 0u;
-  if (a.dtype == kFloat16) launch_mma<__half>(a, p, wgmma, stream);
-  else launch_mma<__nv_bfloat16>(a, p, wgmma, stream);
+  if (impl == kAttentionWgmmaTma) {  // (attention_impl checked that TMA applies)
+    p.tma_rows = static_cast<int>(a.page_size < 64 ? a.page_size : 64);
+    while ((1 << p.tma_shift) < p.tma_rows) ++p.tma_shift;
+    p.tma_chunks = kWgmmaKeys / p.tma_rows;
+    encode_kv_map(&p.k_map, a.k_cache, a.dtype, a, a.sk_p, a.sk_s, a.sk_h, p.tma_rows);
+    encode_kv_map(&p.v_map, a.v_cache, a.dtype, a, a.sv_p, a.sv_s, a.sv_h, p.tma_rows);
+  }
+  if (a.dtype == kFloat16) launch_mma<__half>(a, p, impl, stream);
+  else launch_mma<__nv_bfloat16>(a, p, impl, stream);
 }
 
 }  // namespace minengine

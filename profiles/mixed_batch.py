@@ -1,8 +1,9 @@
 """Run the kernels a few times on the representative mixed batch (for ncu / compute-sanitizer).
 
-python profiles/mixed_batch.py --backend triton|cuda|cuda-wgmma [--small]
+python profiles/mixed_batch.py --backend triton|cuda|cuda-wgmma|cuda-wgmma-tma [--small]
 
-cuda-wgmma: the cuda kernel with its prefill tiles on Hopper's wgmma (an sm_90 GPU).
+cuda-wgmma: the cuda kernel with its prefill tiles on Hopper's wgmma (an sm_90 GPU); cuda-wgmma-tma:
+those tiles with their K/V loaded by TMA.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from minengine.ops.testing import make_paged_batch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--backend", default="triton", choices=["triton", "cuda", "cuda-wgmma"])
+    p.add_argument("--backend", default="triton", choices=["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma"])
     p.add_argument("--small", action="store_true", help="a small batch (for compute-sanitizer, which is slow)")
     p.add_argument("--iters", type=int, default=4)
     args = p.parse_args()
-    kernels = ops.get_kernels(args.backend.removesuffix("-wgmma"), "cuda")
+    kernels = ops.get_kernels(args.backend.split("-")[0], "cuda")
     attention = kernels.paged_attention
-    if args.backend == "cuda-wgmma":
-        attention = functools.partial(attention, impl="wgmma")
+    if args.backend.startswith("cuda-"):
+        attention = functools.partial(attention, impl=args.backend.removeprefix("cuda-"))
     if args.small:
         q_lens, kv_lens = [37] + [1] * 7, [90] + [70] * 7
     else:

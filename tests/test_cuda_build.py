@@ -64,8 +64,9 @@ def test_binding_takes_the_wrappers_keywords():
     if "9.0a" in os.environ.get("MINENGINE_CUDA_ARCHS", "8.0;9.0a") and not torch.cuda.is_available():
         # A 9.0a build knows it holds wgmma machine code, so it asks the device (none here) rather
         # than refusing for the build's sake; either way the refusal comes before any launch.
-        with pytest.raises(ValueError, match="wgmma kernel could not read the device's compute capability"):
-            _C.paged_attention(**(args | {"impl": cuda.IMPLS["wgmma"]}))
+        for impl in ("wgmma", "wgmma-tma"):
+            with pytest.raises(ValueError, match="wgmma kernel could not read the device's compute capability"):
+                _C.paged_attention(**(args | {"impl": cuda.IMPLS[impl]}))
 
 
 def _setup_py(**env: str):
@@ -127,7 +128,8 @@ def test_hopper_tiles_keep_three_blocks_per_sm():
     """ptxas -v of csrc/paged_attention.cu for sm_90a: no kernel spills or has a wgmma serialized,
     and the D <= 128 tensor-core kernels stay within 168 registers, so three 128-thread blocks share
     an SM (65536 / 384 = 170, allocated in steps of 8). Their shared memory fits three too: 70 KB
-    each (the decode tiles' two stages and the key offsets), of 227. A change that looks cheaper by
+    each (the decode tiles' two stages and the key offsets; the TMA tiles' page ids and mbarriers
+    add 80 bytes), of 227. A change that looks cheaper by
     its instruction count can still cost a block per SM here (the unmasked-stage branch did, in the
     64-row mma.sync tile: 180 registers)."""
     spec = importlib.util.spec_from_file_location(
@@ -137,7 +139,7 @@ def test_hopper_tiles_keep_three_blocks_per_sm():
     spec.loader.exec_module(compile_report)
 
     rows = compile_report.csrc_report(["90a"])
-    assert {"wgmma bf16 D128", "mma fp16 D128", "mma bf16 D256"} <= {r["kernel"] for r in rows}
+    assert {"wgmma bf16 D128", "wgmma-tma bf16 D128", "mma fp16 D128", "mma bf16 D256"} <= {r["kernel"] for r in rows}
     for r in rows:
         assert r["spill"] == 0 and r["arrive"] == 0, r
         if r["kernel"].startswith(("wgmma", "mma")) and not r["kernel"].endswith("D256"):

@@ -1,6 +1,6 @@
 """The CUDA C++ attention kernels beyond the shared contract tests: both kernels (tensor cores and
 CUDA cores), which one ``auto`` picks, prefill and decode tiles in one launch, split-KV, wide GQA
-groups, Hopper's wgmma prefill tiles, and random batches.
+groups, Hopper's wgmma prefill tiles (K/V by cp.async, or by TMA), and random batches.
 
 On a GPU these run the real kernels of ``minengine._C``; without one, the same sources compiled
 for the CPU and run by the warp-level emulator (``minengine/ops/cuda_emulator.py``).
@@ -116,14 +116,16 @@ def test_every_tile_shape_over_several_stages(head_dim, dev):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the emulator's copy timing; a GPU has its own")
-@pytest.mark.parametrize(("impl", "head_dim"), [("mma", 64), ("mma", 256), ("wgmma", 64), ("wgmma", 128)])
+@pytest.mark.parametrize(
+    ("impl", "head_dim"), [("mma", 64), ("mma", 256), ("wgmma", 64), ("wgmma", 128), ("wgmma-tma", 128)]
+)
 def test_stages_are_refilled_only_after_every_warp_read_them(impl, head_dim, dev):
     """With copies landing at issue (as early as the GPU may land them) and one warp at a time
     running ahead, a refill issued before the barrier that ends the reads of its buffer gives the
     warps that read later the next stage's keys: a write-after-read race the default (latest
     landing, warps in lockstep) cannot show. Deleting the mma tile's trailing barrier fails every
     case here. The wgmma tile's cannot be checked this way: the emulator runs each wgmma as one
-    collective of the whole warpgroup, so its reads end together."""
+    collective of the whole warpgroup, so its reads end together (TMA loads land at issue too)."""
     from minengine.ops import cuda_emulator
 
     batch = batch_for([1, 1, 40], [200, 129, 240], torch.bfloat16, dev, d=head_dim)
@@ -165,14 +167,14 @@ def test_softmax_scales_on_tensor_cores(impl, scale, dev):
     check(batch, torch.bfloat16, impl=impl, softmax_scale=scale)
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma"])
 def test_unmasked_stages_end_where_the_first_row_stops_seeing(impl, dev):
     """Stages that every row of a tile sees whole skip the causal mask. Each sequence here puts a
     tile's first token one key before, at, or one key after the end of a 64-key wgmma prefill
     stage or a 16-key decode warp slice (the 64-row mma.sync tile masks every stage), so a bound
     one key too generous fails. One too strict only masks a stage that needs none: no output
     shows it."""
-    if impl == "wgmma":
+    if impl.startswith("wgmma"):
         needs_wgmma(dev)
     ctx = [62, 63, 64, 46, 47, 48, 30, 31, 32, 14, 15, 16]
     q_lens = [20, 20, 20, 20, 20, 20, 3, 3, 3, 1, 1, 1]  # group 4: 16 tokens per 64-row tile
@@ -194,6 +196,36 @@ def test_a_late_dominant_key_rescales_its_rows(impl, dev):
     check(batch, torch.float16, impl=impl)
 
 
+@pytest.mark.parametrize("page", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 96, 128])
+def test_wgmma_tiles_load_whole_chunks_of_pages_by_tma(page, head_dim, dev):
+    """impl "wgmma-tma": the prefill tiles' K/V come by TMA in chunks of min(page, 64) slots
+    (several pages a 64-key stage, or 64-slot parts of a page), the dims past head_dim zero-filled
+    by the tensor map. Sequences end one slot before, at and one slot after a chunk's end: the
+    chunk holding seq_len must go by cp.async (a TMA load of it would read the NaN past seq_len,
+    which the emulator fails), as must chunks past a tile's keys; with split-KV too, beside
+    decode tiles."""
+    needs_wgmma(dev)
+    rows = min(page, 64)
+    end = -(-130 // rows) * rows  # a chunk end past the 20-token chunks' first tile
+    q_lens = [20, 20, 20, 1, 7]
+    kv_lens = [end - 1, end, end + 1, end - 1, end + 1]
+    batch = batch_for(q_lens, kv_lens, torch.bfloat16, dev, d=head_dim, page=page, num_tokens=sum(q_lens) + 2)
+    assert cuda.chosen_kernel(*batch.args(), impl="wgmma-tma") == "wgmma-tma"
+    for splits in (1, 2):
+        check(batch, torch.bfloat16, num_splits=splits, impl="wgmma-tma")
+
+
+@pytest.mark.parametrize("page", [1, 3, 24, 48, 96])
+def test_wgmma_tma_runs_the_cp_async_tiles_where_pages_do_not_chunk(page, dev):
+    """Page sizes that do not split a 64-key stage into whole chunks of at least 8 slots run the
+    wgmma kernel with cp.async (what ``chosen_kernel`` says), rightly."""
+    needs_wgmma(dev)
+    batch = batch_for([40, 1], [130, 70], torch.float16, dev, page=page)
+    assert cuda.chosen_kernel(*batch.args(), impl="wgmma-tma") == "wgmma"
+    check(batch, torch.float16, impl="wgmma-tma")
+
+
 def test_wgmma_refuses_what_it_cannot_run(dev):
     batch = batch_for([20], [20], torch.bfloat16, dev, d=256)
     if dev.type == "cuda" and torch.cuda.get_device_capability(dev) != (9, 0):
@@ -203,6 +235,8 @@ def test_wgmma_refuses_what_it_cannot_run(dev):
         cuda.paged_attention(*batch.args(), impl="wgmma")
     with pytest.raises(ValueError, match="tensor-core kernel takes fp16 or bf16"):
         cuda.paged_attention(*batch_for([20], [20], torch.float32, dev).args(), impl="wgmma")
+    with pytest.raises(ValueError, match="the wgmma kernel takes head_dim up to 128, not 256"):
+        cuda.chosen_kernel(*batch.args(), impl="wgmma-tma")
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the emulator's own checks")
@@ -228,9 +262,9 @@ def test_emulator_fails_a_copy_past_seq_len_or_outside_the_caches(dev):
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma"])
 def test_random_batches(impl, dev):
-    if impl == "wgmma":
+    if impl.startswith("wgmma"):
         needs_wgmma(dev)
     seed = random.randrange(2**31)
     rng = random.Random(seed)
@@ -239,7 +273,7 @@ def test_random_batches(impl, dev):
         kv_lens = [q + rng.choice([0, 1, 3, 20, 90]) for q in q_lens]
         hkv, group = rng.choice([1, 2, 3]), rng.choice([1, 2, 4, 5, 8, 16])
         dims = [32, 48, 64, 96, 128, 160, 256] if impl == "mma" else [32, 48, 64, 96, 128]
-        d, page = rng.choice(dims), rng.choice([1, 3, 16, 64])
+        d, page = rng.choice(dims), rng.choice([8, 16, 32, 128] if impl == "wgmma-tma" else [1, 3, 16, 64])
         dtype = rng.choice([torch.float16, torch.bfloat16])
         splits = rng.choice([None, 1, 2, 4, 16])
         case = dict(q_lens=q_lens, kv_lens=kv_lens, hkv=hkv, group=group, d=d, page=page, dtype=dtype, splits=splits)

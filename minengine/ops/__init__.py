@@ -8,8 +8,9 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
 - ``flashinfer``: FlashInfer's paged attention behind our contract, planned once per forward
   step from the runner's host copy of the metadata, outside the graph for CUDA-graph decode
   steps (GPU, optional import);
-- ``auto``: on CUDA, ``triton``, ``cuda`` or ``cuda-wgmma`` (the cuda kernel with Hopper wgmma
-  prefill tiles) chosen per call shape from the device's committed
+- ``auto``: on CUDA, ``triton``, ``cuda``, ``cuda-wgmma`` (the cuda kernel with Hopper wgmma
+  prefill tiles) or ``cuda-wgmma-tma`` (those tiles loading K/V by TMA) chosen per call shape from
+  the device's committed
   tuning table (``tuning.py``; backend name ``tuned``), or ``triton`` where the device has none
   (or ``minengine._C`` is not built); ``torch`` otherwise.
 
@@ -120,8 +121,8 @@ def _tuning_table(device: torch.device) -> dict[str, str] | None:
 
 
 def _tuned_kernels(device: torch.device) -> KernelSet:
-    """Attention from triton, cuda or cuda-wgmma per call shape (the device's table); triton's store
-    and gather."""
+    """Attention from triton, cuda, cuda-wgmma or cuda-wgmma-tma per call shape (the device's table);
+    triton's store and gather."""
     from minengine.ops import tuning
 
     triton, cuda = _triton_kernels(), _cuda_kernels()
@@ -129,6 +130,7 @@ def _tuned_kernels(device: torch.device) -> KernelSet:
         "triton": triton.paged_attention,
         "cuda": cuda.paged_attention,
         "cuda-wgmma": functools.partial(cuda.paged_attention, impl="wgmma"),
+        "cuda-wgmma-tma": functools.partial(cuda.paged_attention, impl="wgmma-tma"),
     }
     attention = tuning.tuned_attention(_tuning_table(device), choices)
     return KernelSet(attention, triton.store_kv, triton.gather_input_ids)

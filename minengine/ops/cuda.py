@@ -10,6 +10,9 @@ split-KV for few long sequences, else the CUDA-core kernel; ``impl`` forces one 
 ``impl="wgmma"`` runs the tensor-core kernel with its prefill tiles on Hopper's warpgroup MMA
 (an sm_90 GPU and a build with 9.0a, head_dim <= 128); nothing picks it unless asked, or unless the
 device's tuning table measured it faster (backend ``cuda-wgmma`` of ``tuning.py``).
+``impl="wgmma-tma"`` runs those tiles with their K/V stages loaded by TMA (tensor maps of the
+caches, completion on mbarriers) where whole chunks of pages allow: page_size 8, 16, 32, 64 or a
+multiple of 64 (other page sizes run ``"wgmma"``); backend ``cuda-wgmma-tma``.
 
 After ``use_emulator()``, CPU tensors run through ``cuda_emulator`` (the same sources compiled for
 the CPU with a warp-level emulator): that is how the contract tests cover these kernels without
@@ -41,7 +44,7 @@ except ImportError as exc:  # built only where nvcc was found
 
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _INDEX = {torch.int32: 0, torch.int64: 1}
-IMPLS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3}
+IMPLS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3, "wgmma-tma": 4}
 
 _emulator = None  # the cuda_emulator module once use_emulator() was called
 
@@ -161,7 +164,8 @@ def chosen_kernel(
     impl: str = "auto",
 ) -> str:
     """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores), "wgmma" (tensor
-    cores, Hopper prefill tiles; only when asked for) or "simt". A kernel asked for that cannot
+    cores, Hopper prefill tiles; only when asked for), "wgmma-tma" (those tiles with TMA loads) or
+    "simt". A kernel asked for that cannot
     take the inputs raises the ValueError ``paged_attention`` would (for a batch with tokens: an
     empty one returns before any kernel is chosen)."""
     _, args = _attention_call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None, q, impl)
@@ -192,6 +196,7 @@ def _attention_call(
         num_kv_heads=dims.num_kv_heads,
         head_dim=dims.head_dim,
         page_size=dims.page_size,
+        num_pages=k_cache.shape[0],
         sq_t=q.stride(0),
         sq_h=q.stride(1),
         sk_p=k_cache.stride(0),

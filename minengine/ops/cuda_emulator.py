@@ -43,7 +43,7 @@ PagedAttentionArgs = _struct(
     "PagedAttentionArgs",
     [
         (_P, "q k_cache v_cache out block_tables seq_lens cu_seqlens_q part_acc part_ml"),
-        (_I64, "num_tokens num_seqs num_q_heads num_kv_heads head_dim page_size max_seqlen_q num_splits"),
+        (_I64, "num_tokens num_seqs num_q_heads num_kv_heads head_dim page_size num_pages max_seqlen_q num_splits"),
         (_I64, "sq_t sq_h sk_p sk_s sk_h sv_p sv_s sv_h so_t so_h sbt"),
         (_F64, "softmax_scale"),
         (_INT, "dtype impl"),
