@@ -7,10 +7,11 @@ host metadata staged as the runner stages it) and every row's
 logits, not just greedy tokens.
 
 On CPU: the torch and Triton (interpreted) backends in float32, and the CUDA kernels through the
-emulator in fp16 (tensor-core and wgmma tiles). On a GPU (``gpu``): triton, cuda, cuda-wgmma
-(sm_90), flashinfer (when installed) and auto in fp16: the model in fp16 is within about 3e-3 of
-float32 here, in bf16 within 2.5e-2, too close to any tolerance that would still catch a kernel
-bug (the kernel tests cover bf16).
+emulator in fp16 (tensor-core and wgmma tiles, the latter also with TMA loads on 8-slot pages).
+On a GPU (``gpu``): triton, cuda, cuda-wgmma and cuda-wgmma-tma (sm_90), flashinfer (when
+installed) and auto in fp16: the model in fp16 is within about 3e-3 of float32 here, in bf16
+within 2.5e-2, too close to any tolerance that would still catch a kernel bug (the kernel tests
+cover bf16).
 """
 
 from __future__ import annotations
@@ -49,11 +50,11 @@ def sequences(checkpoint):
         return seqs, [hf(torch.tensor([s])).logits[0] for s in seqs]
 
 
-def teacher_forced(model, kernels: KernelSet, seqs, dtype, device) -> list[torch.Tensor]:
+def teacher_forced(model, kernels: KernelSet, seqs, dtype, device, page: int = PAGE) -> list[torch.Tensor]:
     """Logits of every position of seqs[0] (23-token prompt, then a decode) and seqs[1] (a
     17-token chunk, then 23 more over the cached 17), over two mixed steps."""
     cfg = model.config
-    pool = KVPool(cfg.num_layers, 32, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    pool = KVPool(cfg.num_layers, 32, page, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     free = random.sample(range(32), 32)
     pages = [free[:8], free[8:18]]  # scattered pages, enough for 24 and 40 tokens
     steps = [[(1, 0, 17), (0, 0, 23)], [(1, 17, 40), (0, 23, 24)]]  # (seq, start, end): chunks first
@@ -63,7 +64,7 @@ def teacher_forced(model, kernels: KernelSet, seqs, dtype, device) -> list[torch
         for s, start, end in step:
             ids += seqs[s][start:end]
             pos += range(start, end)
-            slots += [pages[s][p // PAGE] * PAGE + p % PAGE for p in range(start, end)]
+            slots += [pages[s][p // page] * page + p % page for p in range(start, end)]
             lens.append(end)
             cu.append(cu[-1] + end - start)
         table = torch.zeros(len(step), 10, dtype=torch.int32)
@@ -83,14 +84,14 @@ def teacher_forced(model, kernels: KernelSet, seqs, dtype, device) -> list[torch
     return [torch.cat(o) for o in out]
 
 
-def check_backend(checkpoint, sequences, kernels, dtype, device, tol):
+def check_backend(checkpoint, sequences, kernels, dtype, device, tol, page=PAGE):
     seqs, want = sequences
     llm = LLM(
         str(checkpoint), device=device, dtype=dtype, attention_backend="torch", disable_cuda_graph=True,
         max_total_tokens=64,
     )  # fmt: skip
     try:
-        got = teacher_forced(llm.engine.model, kernels, seqs, getattr(torch, dtype), torch.device(device))
+        got = teacher_forced(llm.engine.model, kernels, seqs, getattr(torch, dtype), torch.device(device), page)
     finally:
         llm.shutdown()
     for s in range(2):
@@ -106,9 +107,10 @@ def test_backend_logits_cpu(backend, checkpoint, sequences):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the GPU test below runs the real kernels")
-@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma"])
 def test_cuda_emulated_logits(impl, checkpoint, sequences):
-    """The CUDA tensor-core kernel (and its wgmma prefill tiles) in fp16 through the emulator."""
+    """The CUDA tensor-core kernel (and its wgmma prefill tiles, K/V by cp.async or TMA) in fp16
+    through the emulator; TMA takes pages of 8 slots or more."""
     from conftest import use_cuda_emulator
 
     from minengine.ops import cuda
@@ -117,13 +119,13 @@ def test_cuda_emulated_logits(impl, checkpoint, sequences):
     try:
         base = get_kernels("cuda", "cpu")
         kernels = base._replace(paged_attention=functools.partial(cuda.paged_attention, impl=impl))
-        check_backend(checkpoint, sequences, kernels, "float16", "cpu", 2e-2)
+        check_backend(checkpoint, sequences, kernels, "float16", "cpu", 2e-2, page=8 if impl == "wgmma-tma" else PAGE)
     finally:
         cuda.use_emulator(False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda", "cuda-wgmma", "flashinfer", "auto"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "flashinfer", "auto"])
 def test_backend_logits_gpu(backend, checkpoint, sequences):
     from minengine.ops import cuda, flashinfer_ref
 
@@ -131,15 +133,18 @@ def test_backend_logits_gpu(backend, checkpoint, sequences):
         pytest.skip("needs a CUDA GPU")
     if backend.startswith("cuda") and not cuda.available():
         pytest.skip("minengine._C is not built")
-    if backend == "cuda-wgmma" and torch.cuda.get_device_capability() != (9, 0):
+    if backend.startswith("cuda-wgmma") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs an sm_90 GPU")
     if backend == "flashinfer" and not flashinfer_ref.available():
         pytest.skip("flashinfer is not installed")
-    if backend == "cuda-wgmma":
+    if backend.startswith("cuda-wgmma"):
         base = get_kernels("cuda", "cuda")
-        kernels = base._replace(paged_attention=functools.partial(cuda.paged_attention, impl="wgmma"))
+        impl = backend.removeprefix("cuda-")
+        kernels = base._replace(paged_attention=functools.partial(cuda.paged_attention, impl=impl))
     else:
         kernels = get_kernels(backend, "cuda")
-    check_backend(checkpoint, sequences, kernels, "float16", "cuda", 2e-2)
+    check_backend(
+        checkpoint, sequences, kernels, "float16", "cuda", 2e-2, page=8 if backend == "cuda-wgmma-tma" else PAGE
+    )
     if backend == "flashinfer":  # one plan per step, each from the staged host metadata
         assert kernels.paged_attention.plans == kernels.paged_attention.host_plans == 2
