@@ -129,6 +129,7 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 }
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) { emu::mbarrier_wait(bar, parity); }
 __device__ __forceinline__ bool elect_one() { return emu::lane() == 0; }
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap*) {}
 __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uint64_t* bar, int c0, int c1, int c2,
                                             int c3) {
   emu::tma_load_4d(dst, map, bar, c0, c1, c2, c3);
@@ -277,12 +278,27 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 // completes when both are in. TMA tile loads read a box of a tensor described by a tensor map
 // (the driver's CUtensorMap, encoded on the host and passed as a __grid_constant__ kernel
 // parameter) into shared memory, zero-filling elements outside the tensor.
+// Outside the sm_90a pass the helpers trap, as the wgmma ones do: the host never launches them there.
+#if CUDART_VERSION >= 12000
 using TensorMap = CUtensorMap;
+#else
+struct alignas(64) TensorMap {  // CUDA 11 has no TMA: the wgmma-tma kernel never runs (tma_applies)
+  unsigned long long opaque[16];
+};
+#endif
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, int count) {
 #if ME_HAS_WGMMA
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(bar)), "r"(count) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the async proxy
+#else
+  __trap();
+#endif
+}
+// Fetches a tensor map into the TMA unit's cache ahead of its first load.
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+#if ME_HAS_WGMMA
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 #endif
 }
 // This thread's arrival, with `bytes` more to come from TMA loads before the phase completes.
@@ -290,6 +306,8 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
 #if ME_HAS_WGMMA
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(bar)), "r"(bytes)
                : "memory");
+#else
+  __trap();
 #endif
 }
 // One lane of the (whole, converged) warp: true in exactly one. Unlike a test of the lane index, the
@@ -314,6 +332,8 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
         : "r"(smem_address(bar)), "r"(parity)
         : "memory");
   } while (!done);
+#else
+  __trap();
 #endif
 }
 // The box at coordinates (c0, c1, c2, c3), innermost first, of a 4-D map into shared memory at dst,
@@ -326,6 +346,8 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, uin
       "[%6];\n" ::"r"(smem_address(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_address(bar))
       : "memory");
+#else
+  __trap();
 #endif
 }
 

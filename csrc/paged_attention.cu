@@ -35,7 +35,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
-#ifndef MINENGINE_EMULATE
+#if !defined(MINENGINE_EMULATE) && CUDART_VERSION >= 12000
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #endif
 
@@ -748,6 +748,8 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
   if constexpr (TMA) {
     static_assert(STAGES == 2, "a barrier per stage buffer");
     if (threadIdx.x == 0) {  // an arrival a warp (issue_tma_chunks); published by start_offsets' barrier
+      prefetch_tensor_map(&p.k_map);
+      prefetch_tensor_map(&p.v_map);
       mbarrier_init(&bars[0], kThreads / 32);
       mbarrier_init(&bars[1], kThreads / 32);
     }
@@ -925,16 +927,22 @@ std::string wgmma_unsupported(const PagedAttentionArgs& a) {
 
 // Whether the wgmma tiles can load these caches by TMA (the wgmma kernel's rules hold): pages that
 // split into whole chunks of a stage's 64 keys, at least 8 slots (1024-byte aligned swizzle atoms);
-// strides and sizes within what a tensor map holds.
+// cache bases and strides 128-byte aligned (the CUDA guide's alignment for 128B-swizzled maps; the
+// driver itself asks 16), strides and sizes within what a tensor map holds; CUDA 12 or later.
 bool tma_applies(const PagedAttentionArgs& a) {
+#if !defined(MINENGINE_EMULATE) && CUDART_VERSION < 12000
+  return false;
+#endif
   const bool chunks = a.page_size % 64 == 0 || (a.page_size >= 8 && 64 % a.page_size == 0);
   const int64_t strides[] = {a.sk_p, a.sk_s, a.sk_h, a.sv_p, a.sv_s, a.sv_h};
-  const bool small =
-      std::all_of(std::begin(strides), std::end(strides), [](int64_t s) { return s < (int64_t{1} << 39); });
-  return chunks && small && a.num_pages >= 1 && a.num_pages <= (int64_t{1} << 31);
+  const bool fit = std::all_of(std::begin(strides), std::end(strides), [](int64_t s) {
+    return s % 64 == 0 && s < (int64_t{1} << 39);  // 2-byte elements: 128-byte steps below 2^40 bytes
+  });
+  return chunks && fit && a.k_cache % 128 == 0 && a.v_cache % 128 == 0 && a.num_pages >= 1 &&
+         a.num_pages <= (int64_t{1} << 31);
 }
 
-#ifndef MINENGINE_EMULATE
+#if !defined(MINENGINE_EMULATE) && CUDART_VERSION >= 12000
 // The driver's tensor-map encoder, through the runtime (no link against libcuda).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   void* fn = nullptr;
@@ -963,12 +971,22 @@ void encode_kv_map(TensorMap* map, uintptr_t base, int dtype, const PagedAttenti
                                static_cast<uint64_t>(s_page) * 2};
   const uint32_t box[4] = {64, static_cast<uint32_t>(rows), 1, 1};
 #ifdef MINENGINE_EMULATE
+  // The driver's rules (cuTensorMapEncodeTiled), so a map it would refuse fails here too.
+  if (base % 16 != 0 || rows < 1 || rows > 256 || box[0] * 2 > 128) {
+    throw std::runtime_error("a tensor map the driver would refuse (base alignment or box)");
+  }
+  for (uint64_t s : strides) {
+    if (s % 16 != 0 || s >= (uint64_t{1} << 40)) throw std::runtime_error("a tensor map stride the driver would refuse");
+  }
   (void)dtype;
   *map = TensorMap{};
   map->base = reinterpret_cast<const char*>(base);
   for (int d = 0; d < 4; ++d) map->dims[d] = dims[d], map->box[d] = box[d];
   for (int d = 1; d < 4; ++d) map->strides[d] = strides[d - 1];
   map->encoded = true;
+#elif CUDART_VERSION < 12000
+  (void)map, (void)base, (void)dtype, (void)dims, (void)strides, (void)box;
+  throw std::runtime_error("TMA needs CUDA 12");
 #else
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};

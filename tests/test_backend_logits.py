@@ -28,7 +28,7 @@ from minengine import LLM
 from minengine.memory import KVPool
 from minengine.models import ForwardBatch
 from minengine.ops import HostMetadata, KernelSet, get_kernels
-from minengine.ops.testing import relative_error
+from minengine.ops.testing import aligned_rows, relative_error
 
 PAGE = 4
 
@@ -55,6 +55,9 @@ def teacher_forced(model, kernels: KernelSet, seqs, dtype, device, page: int = P
     17-token chunk, then 23 more over the cached 17), over two mixed steps."""
     cfg = model.config
     pool = KVPool(cfg.num_layers, 32, page, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    if page >= 8:  # TMA loads (cuda-wgmma-tma) take 128-byte aligned caches; CPU tensors are 64-byte aligned
+        pool.kv = aligned_rows(pool.kv)
+        pool.layers = [(pool.kv[i, :, 0], pool.kv[i, :, 1]) for i in range(cfg.num_layers)]
     free = random.sample(range(32), 32)
     pages = [free[:8], free[8:18]]  # scattered pages, enough for 24 and 40 tokens
     steps = [[(1, 0, 17), (0, 0, 23)], [(1, 17, 40), (0, 23, 24)]]  # (seq, start, end): chunks first
@@ -118,7 +121,12 @@ def test_cuda_emulated_logits(impl, checkpoint, sequences):
     use_cuda_emulator()
     try:
         base = get_kernels("cuda", "cpu")
-        kernels = base._replace(paged_attention=functools.partial(cuda.paged_attention, impl=impl))
+
+        def attention(*args):  # the kernel asked for is the one that runs
+            assert cuda.chosen_kernel(*args, impl=impl) == impl
+            return cuda.paged_attention(*args, impl=impl)
+
+        kernels = base._replace(paged_attention=attention)
         check_backend(checkpoint, sequences, kernels, "float16", "cpu", 2e-2, page=8 if impl == "wgmma-tma" else PAGE)
     finally:
         cuda.use_emulator(False)

@@ -18,7 +18,7 @@ from test_paged_attention import run_and_check
 
 from minengine import ops
 from minengine.ops import cuda
-from minengine.ops.testing import make_paged_batch
+from minengine.ops.testing import aligned_rows, make_paged_batch
 
 
 @pytest.fixture
@@ -200,28 +200,34 @@ def test_a_late_dominant_key_rescales_its_rows(impl, dev):
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
 def test_wgmma_tiles_load_whole_chunks_of_pages_by_tma(page, head_dim, dev):
     """impl "wgmma-tma": the prefill tiles' K/V come by TMA in chunks of min(page, 64) slots
-    (several pages a 64-key stage, or 64-slot parts of a page), the dims past head_dim zero-filled
-    by the tensor map. Sequences end one slot before, at and one slot after a chunk's end: the
-    chunk holding seq_len must go by cp.async (a TMA load of it would read the NaN past seq_len,
-    which the emulator fails), as must chunks past a tile's keys; with split-KV too, beside
-    decode tiles."""
+    (several pages a 64-key stage, or 64-slot parts of a page). Head dims 32 and 96 sit in rows of
+    64 and 128 elements (TMA takes 128-byte aligned bases and strides) whose padding holds NaN: the tensor map
+    must zero-fill the dims past head_dim without reading them. Sequences end one slot before, at
+    and one slot after a chunk's end: the chunk holding seq_len must go by cp.async (a TMA load of
+    it would read the NaN past seq_len, which the emulator fails), as must chunks past a tile's
+    keys; with split-KV too, beside decode tiles."""
     needs_wgmma(dev)
     rows = min(page, 64)
     end = -(-130 // rows) * rows  # a chunk end past the 20-token chunks' first tile
     q_lens = [20, 20, 20, 1, 7]
     kv_lens = [end - 1, end, end + 1, end - 1, end + 1]
     batch = batch_for(q_lens, kv_lens, torch.bfloat16, dev, d=head_dim, page=page, num_tokens=sum(q_lens) + 2)
+    width = -(-head_dim // 64) * 64
+    batch = dataclasses.replace(
+        batch, k_cache=aligned_rows(batch.k_cache, width), v_cache=aligned_rows(batch.v_cache, width)
+    )
     assert cuda.chosen_kernel(*batch.args(), impl="wgmma-tma") == "wgmma-tma"
     for splits in (1, 2):
         check(batch, torch.bfloat16, num_splits=splits, impl="wgmma-tma")
 
 
-@pytest.mark.parametrize("page", [1, 3, 24, 48, 96])
-def test_wgmma_tma_runs_the_cp_async_tiles_where_pages_do_not_chunk(page, dev):
-    """Page sizes that do not split a 64-key stage into whole chunks of at least 8 slots run the
-    wgmma kernel with cp.async (what ``chosen_kernel`` says), rightly."""
+@pytest.mark.parametrize(("page", "head_dim"), [(1, 64), (3, 64), (24, 64), (48, 64), (96, 64), (16, 96)])
+def test_wgmma_tma_runs_the_cp_async_tiles_where_tma_does_not_apply(page, head_dim, dev):
+    """Page sizes that do not split a 64-key stage into whole chunks of at least 8 slots, and
+    strides that are not 128-byte multiples (head dim 96 in unpadded rows: 192-byte head stride),
+    run the wgmma kernel with cp.async (what ``chosen_kernel`` says), rightly."""
     needs_wgmma(dev)
-    batch = batch_for([40, 1], [130, 70], torch.float16, dev, page=page)
+    batch = batch_for([40, 1], [130, 70], torch.float16, dev, page=page, d=head_dim)
     assert cuda.chosen_kernel(*batch.args(), impl="wgmma-tma") == "wgmma"
     check(batch, torch.float16, impl="wgmma-tma")
 
@@ -280,6 +286,12 @@ def test_random_batches(impl, dev):
         batch = batch_for(
             q_lens, kv_lens, dtype, dev, hq=hkv * group, hkv=hkv, d=d, page=page, num_tokens=sum(q_lens) + 2
         )
+        if impl == "wgmma-tma":  # TMA takes 128-byte aligned bases and strides: rows of 64-element multiples
+            width = -(-d // 64) * 64
+            batch = dataclasses.replace(
+                batch, k_cache=aligned_rows(batch.k_cache, width), v_cache=aligned_rows(batch.v_cache, width)
+            )
+            assert cuda.chosen_kernel(*batch.args(), impl=impl) == impl
         try:
             check(batch, dtype, num_splits=splits, impl=impl)
         except (AssertionError, ValueError) as exc:  # ValueError: the emulator's checks

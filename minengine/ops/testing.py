@@ -137,3 +137,17 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN if out holds any NaN)."""
     out64, ref64 = out.double(), ref.double()
     return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+
+def aligned_rows(t: torch.Tensor, width: int | None = None, align: int = 128) -> torch.Tensor:
+    """``t``'s values in a view whose base is ``align``-byte aligned and whose last dim sits in rows
+    of ``width`` elements (default: its own size), the padding NaN: what the CUDA kernels' TMA loads
+    take (128-byte aligned bases and strides; CPU tensors are only 64-byte aligned)."""
+    width = t.shape[-1] if width is None else width
+    shape = (*t.shape[:-1], width)
+    count, pad = t.numel() // t.shape[-1] * width, align // t.element_size()
+    flat = torch.full((count + pad,), float("nan"), dtype=t.dtype, device=t.device)
+    skip = (-flat.data_ptr() % align) // t.element_size()
+    wide = flat[skip : skip + count].view(shape)
+    wide[..., : t.shape[-1]] = t
+    return wide[..., : t.shape[-1]]
