@@ -177,30 +177,29 @@ inline auto collective(Deposit deposit, Read read) {
 
 inline void syncthreads() { wait(state().block_barrier); }
 
-template <typename V>
-inline V shfl_xor(unsigned mask, V value, int offset) {
+// A whole-warp shuffle: every lane deposits `value` and reads lane source(its lane)'s. Every lane
+// takes part in the emulator's collectives; the kernels only shuffle whole warps.
+template <typename V, typename Source>
+inline V shuffle(const char* name, unsigned mask, V value, Source source) {
   static_assert(sizeof(V) <= sizeof(uint64_t), "shuffle of a type wider than 64 bits");
-  // Every lane takes part in the emulator's collectives; the kernels only shuffle whole warps.
-  if (mask != 0xffffffffu) throw std::runtime_error("__shfl_xor_sync with a partial lane mask (not emulated)");
+  if (mask != 0xffffffffu) throw std::runtime_error(std::string(name) + " with a partial lane mask (not emulated)");
   return collective([&](LaneSlot& s) { std::memcpy(&s.word, &value, sizeof(V)); },
                     [&](LaneSlot* slots) {
                       V out;
-                      std::memcpy(&out, &slots[(lane() ^ static_cast<unsigned>(offset)) & 31u].word, sizeof(V));
+                      std::memcpy(&out, &slots[source(lane()) & 31u].word, sizeof(V));
                       return out;
                     });
 }
 
-// __shfl_sync(full mask, value, src): every lane gets lane src's value.
+template <typename V>
+inline V shfl_xor(unsigned mask, V value, int offset) {
+  return shuffle("__shfl_xor_sync", mask, value, [&](unsigned l) { return l ^ static_cast<unsigned>(offset); });
+}
+
+// __shfl_sync: every lane gets lane src's value.
 template <typename V>
 inline V shfl_idx(unsigned mask, V value, int src) {
-  static_assert(sizeof(V) <= sizeof(uint64_t), "shuffle of a type wider than 64 bits");
-  if (mask != 0xffffffffu) throw std::runtime_error("__shfl_sync with a partial lane mask (not emulated)");
-  return collective([&](LaneSlot& s) { std::memcpy(&s.word, &value, sizeof(V)); },
-                    [&](LaneSlot* slots) {
-                      V out;
-                      std::memcpy(&out, &slots[static_cast<unsigned>(src) & 31u].word, sizeof(V));
-                      return out;
-                    });
+  return shuffle("__shfl_sync", mask, value, [&](unsigned) { return static_cast<unsigned>(src); });
 }
 
 template <typename T>
