@@ -189,6 +189,7 @@ def run_case(
                     run = functools.partial(cuda_backend.paged_attention, *batch.args(), out=out, impl=impl)
                     key = "cuda_" + impl.replace("-", "_")
                     with contextlib.suppress(ValueError):  # a build without 9.0a
+                        row[f"{key}_kernel"] = cuda_backend.chosen_kernel(*batch.args(), impl=impl)
                         row[f"{key}_rel_err_vs_fp64"] = fp64_error(run)
                         row[f"{key}_ms"] = bench(run)
     else:

@@ -10,9 +10,10 @@ namespace minengine {
 // K/V rows, 4-byte aligned q rows), else the CUDA-core one. kAttentionWgmma, never picked by auto,
 // runs the tensor-core kernel with Hopper wgmma prefill tiles (an sm_90 GPU, a 9.0a build,
 // head_dim <= 128); kAttentionWgmmaTma the same tiles with their K/V stages loaded by TMA where
-// whole chunks of pages allow (page_size 8, 16, 32, 64 or a multiple of 64; on other pages it runs
-// kAttentionWgmma). num_splits > 1 (the tensor-core kernel; the CUDA-core one ignores it) needs
-// part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
+// whole chunks of pages allow (page_size 8, 16, 32, 64 or a multiple of 64, 128-byte aligned cache
+// bases and strides; elsewhere it runs kAttentionWgmma). num_splits > 1 (the tensor-core kernel;
+// the CUDA-core one ignores it) needs part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and
+// part_ml, fp32 [.., Hq, 2].
 enum AttentionImpl : int {
   kAttentionAuto = 0,
   kAttentionSimt = 1,

@@ -444,7 +444,8 @@ __device__ __forceinline__ void store_rows(const MmaParams& p, const TileRows& r
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (!r.valid[i]) continue;
-    // The row's token and head again (as tile_rows found them): not kept in registers through the loop.
+    // The row's token and head again, as tile_rows found them (wm = warp: these tiles' warps hold
+    // whole rows), rather than kept in registers through the loop.
     const int row = r.row0 + static_cast<int>(threadIdx.x >> 5) * 16 + static_cast<int>(threadIdx.x & 31) / 4 + 8 * i;
     const int tok = r.q_start + row / p.group, head = static_cast<int>(blockIdx.y) * p.group + row % p.group;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
@@ -976,7 +977,9 @@ void encode_kv_map(TensorMap* map, uintptr_t base, int dtype, const PagedAttenti
     throw std::runtime_error("a tensor map the driver would refuse (base alignment or box)");
   }
   for (uint64_t s : strides) {
-    if (s % 16 != 0 || s >= (uint64_t{1} << 40)) throw std::runtime_error("a tensor map stride the driver would refuse");
+    if (s % 16 != 0 || s >= (uint64_t{1} << 40)) {
+      throw std::runtime_error("a tensor map stride the driver would refuse");
+    }
   }
   (void)dtype;
   *map = TensorMap{};
@@ -990,7 +993,8 @@ void encode_kv_map(TensorMap* map, uintptr_t base, int dtype, const PagedAttenti
 #else
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = dtype == kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUtensorMapDataType type =
+      dtype == kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult rc = encode(map, type, 4, reinterpret_cast<void*>(base), dims, strides, box, element_strides,
                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                              CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

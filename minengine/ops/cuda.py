@@ -12,7 +12,8 @@ split-KV for few long sequences, else the CUDA-core kernel; ``impl`` forces one 
 device's tuning table measured it faster (backend ``cuda-wgmma`` of ``tuning.py``).
 ``impl="wgmma-tma"`` runs those tiles with their K/V stages loaded by TMA (tensor maps of the
 caches, completion on mbarriers) where whole chunks of pages allow: page_size 8, 16, 32, 64 or a
-multiple of 64 (other page sizes run ``"wgmma"``); backend ``cuda-wgmma-tma``.
+multiple of 64, and 128-byte aligned cache bases and strides (elsewhere it runs ``"wgmma"``);
+backend ``cuda-wgmma-tma``.
 
 After ``use_emulator()``, CPU tensors run through ``cuda_emulator`` (the same sources compiled for
 the CPU with a warp-level emulator): that is how the contract tests cover these kernels without
@@ -165,9 +166,9 @@ def chosen_kernel(
 ) -> str:
     """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores), "wgmma" (tensor
     cores, Hopper prefill tiles; only when asked for), "wgmma-tma" (those tiles with TMA loads) or
-    "simt". A kernel asked for that cannot
-    take the inputs raises the ValueError ``paged_attention`` would (for a batch with tokens: an
-    empty one returns before any kernel is chosen)."""
+    "simt". A kernel asked for that cannot take the inputs raises the ValueError
+    ``paged_attention`` would (for a batch with tokens: an empty one returns before any kernel is
+    chosen)."""
     _, args = _attention_call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None, q, impl)
     with _on(q.device):  # (wgmma's check reads the current device's compute capability)
         code = _lib(q).attention_impl(**args)
