@@ -58,6 +58,20 @@ def batch_for(q_lens, kv_lens, dtype, device, hq=8, hkv=2, d=64, page=16, **kw):
     )
 
 
+def tma_ready(batch, impl):
+    """For impl "wgmma-tma": the batch with its caches 128-byte aligned and in rows of 64-element
+    multiples (NaN padding), as TMA takes them (CPU tensors are only 64-byte aligned), checked to
+    run with TMA; other impls: the batch as it is."""
+    if impl != "wgmma-tma":
+        return batch
+    width = -(-batch.q.shape[-1] // 64) * 64
+    batch = dataclasses.replace(
+        batch, k_cache=aligned_rows(batch.k_cache, width), v_cache=aligned_rows(batch.v_cache, width)
+    )
+    assert cuda.chosen_kernel(*batch.args(), impl=impl) == impl
+    return batch
+
+
 @pytest.mark.parametrize("impl", ["mma", "simt"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_both_kernels(impl, dtype, dev):
@@ -128,7 +142,7 @@ def test_stages_are_refilled_only_after_every_warp_read_them(impl, head_dim, dev
     collective of the whole warpgroup, so its reads end together (TMA loads land at issue too)."""
     from minengine.ops import cuda_emulator
 
-    batch = batch_for([1, 1, 40], [200, 129, 240], torch.bfloat16, dev, d=head_dim)
+    batch = tma_ready(batch_for([1, 1, 40], [200, 129, 240], torch.bfloat16, dev, d=head_dim), impl)
     with cuda_emulator.cp_async_land_at_issue():
         check(batch, torch.bfloat16, num_splits=1, impl=impl)
 
@@ -179,7 +193,7 @@ def test_unmasked_stages_end_where_the_first_row_stops_seeing(impl, dev):
     ctx = [62, 63, 64, 46, 47, 48, 30, 31, 32, 14, 15, 16]
     q_lens = [20, 20, 20, 20, 20, 20, 3, 3, 3, 1, 1, 1]  # group 4: 16 tokens per 64-row tile
     batch = batch_for(q_lens, [c + q for c, q in zip(ctx, q_lens, strict=True)], torch.bfloat16, dev)
-    check(batch, torch.bfloat16, impl=impl)
+    check(tma_ready(batch, impl), torch.bfloat16, impl=impl)
 
 
 @pytest.mark.parametrize("impl", ["mma", "wgmma"])
@@ -212,11 +226,7 @@ def test_wgmma_tiles_load_whole_chunks_of_pages_by_tma(page, head_dim, dev):
     q_lens = [20, 20, 20, 1, 7]
     kv_lens = [end - 1, end, end + 1, end - 1, end + 1]
     batch = batch_for(q_lens, kv_lens, torch.bfloat16, dev, d=head_dim, page=page, num_tokens=sum(q_lens) + 2)
-    width = -(-head_dim // 64) * 64
-    batch = dataclasses.replace(
-        batch, k_cache=aligned_rows(batch.k_cache, width), v_cache=aligned_rows(batch.v_cache, width)
-    )
-    assert cuda.chosen_kernel(*batch.args(), impl="wgmma-tma") == "wgmma-tma"
+    batch = tma_ready(batch, "wgmma-tma")
     for splits in (1, 2):
         check(batch, torch.bfloat16, num_splits=splits, impl="wgmma-tma")
 
@@ -286,12 +296,7 @@ def test_random_batches(impl, dev):
         batch = batch_for(
             q_lens, kv_lens, dtype, dev, hq=hkv * group, hkv=hkv, d=d, page=page, num_tokens=sum(q_lens) + 2
         )
-        if impl == "wgmma-tma":  # TMA takes 128-byte aligned bases and strides: rows of 64-element multiples
-            width = -(-d // 64) * 64
-            batch = dataclasses.replace(
-                batch, k_cache=aligned_rows(batch.k_cache, width), v_cache=aligned_rows(batch.v_cache, width)
-            )
-            assert cuda.chosen_kernel(*batch.args(), impl=impl) == impl
+        batch = tma_ready(batch, impl)
         try:
             check(batch, dtype, num_splits=splits, impl=impl)
         except (AssertionError, ValueError) as exc:  # ValueError: the emulator's checks
