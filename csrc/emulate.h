@@ -554,11 +554,13 @@ inline void tma_land(const TmaOp& op) {
         }
 }
 
+inline uint64_t box_bytes(const TensorMap& m) { return uint64_t{m.box[0]} * m.box[1] * m.box[2] * m.box[3] * 2; }
+
 inline void tma_load_4d(void* dst, const TensorMap* map, void* bar_ptr, int c0, int c1, int c2, int c3) {
   const Block& b = state();
   if (map == nullptr || !map->encoded) throw std::runtime_error("TMA load through a tensor map never encoded");
   const uint32_t dst_at = shared_address(dst);
-  const uint64_t bytes = uint64_t{map->box[0]} * map->box[1] * map->box[2] * map->box[3] * 2;
+  const uint64_t bytes = box_bytes(*map);
   // The kernels' swizzled stages start on 1024-byte boundaries (where the swizzle pattern starts).
   if ((dst_at % 1024) != 0) throw std::runtime_error("TMA load (128B swizzle) to shared memory not 1024-byte aligned");
   if (dst_at - kSharedBase + bytes > b.smem.size()) throw std::runtime_error("TMA load past the end of shared memory");
@@ -584,8 +586,7 @@ inline void mbarrier_wait(void* p, uint32_t parity) {
   bar.loads.clear();
   for (const TmaOp& op : loads) {
     tma_land(op);
-    const TensorMap& m = op.map;
-    bar.tx -= static_cast<int64_t>(uint64_t{m.box[0]} * m.box[1] * m.box[2] * m.box[3] * 2);
+    bar.tx -= static_cast<int64_t>(box_bytes(op.map));
   }
   if (bar.pending == 0 && bar.tx < 0) {
     throw std::runtime_error("TMA loads landed more bytes than the mbarrier expected");

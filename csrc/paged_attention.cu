@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
 
 struct MmaParams {
   TensorMap k_map, v_map;  // wgmma-tma: the caches as TMA maps (encode_kv_map); unused otherwise
-  int tma_rows, tma_shift, tma_chunks;  // wgmma-tma: slots a TMA box holds (min(page_size, 64)), log2, boxes a stage
+  int tma_rows, tma_shift;  // wgmma-tma: slots a TMA box holds (min(page_size, 64)), and its log2
   const void* q;
   const void* k_cache;
   const void* v_cache;
@@ -679,7 +679,7 @@ __device__ __forceinline__ void issue_tma_chunks(const MmaParams& p, const int32
   const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
   const bool leader = elect_one();
   uint32_t bytes = 0;
-  for (int j = warp; j < p.tma_chunks; j += WARPS) {
+  for (int j = warp; j < KEYS >> p.tma_shift; j += WARPS) {
     const int page = __shfl_sync(0xffffffffu, pages[j], 0);
     if (page < 0) continue;
     const int key = stage * KEYS + j * rows;
@@ -973,7 +973,7 @@ void encode_kv_map(TensorMap* map, uintptr_t base, int dtype, const PagedAttenti
   const uint32_t box[4] = {64, static_cast<uint32_t>(rows), 1, 1};
 #ifdef MINENGINE_EMULATE
   // The driver's rules (cuTensorMapEncodeTiled), so a map it would refuse fails here too.
-  if (base % 16 != 0 || rows < 1 || rows > 256 || box[0] * 2 > 128) {
+  if (base % 16 != 0 || rows < 1 || rows > 256) {
     throw std::runtime_error("a tensor map the driver would refuse (base alignment or box)");
   }
   for (uint64_t s : strides) {
@@ -1124,7 +1124,6 @@ void paged_attention(const PagedAttentionArgs& a) {
   if (impl == kAttentionWgmmaTma) {  // (attention_impl checked that TMA applies)
     p.tma_rows = static_cast<int>(a.page_size < 64 ? a.page_size : 64);
     while ((1 << p.tma_shift) < p.tma_rows) ++p.tma_shift;
-    p.tma_chunks = kWgmmaKeys / p.tma_rows;
     encode_kv_map(&p.k_map, a.k_cache, a.dtype, a, a.sk_p, a.sk_s, a.sk_h, p.tma_rows);
     encode_kv_map(&p.v_map, a.v_cache, a.dtype, a, a.sv_p, a.sv_s, a.sv_h, p.tma_rows);
   }
