@@ -43,12 +43,19 @@ TARGETS = {"a": ("kv_bw_frac", 0.85), "b": ("kv_bw_frac", 0.80), "c": ("tflops_f
 # The csrc issue's targets (H100/H200, bf16, 32/8/128, page 16), for the best of our kernels:
 # decode >= 90% of copy bandwidth, prefill chunk >= 70% of matmul peak, mixed batch >= 1.2x FlashInfer.
 BEST_TARGETS = {"a": ("kv_bw_frac", 0.90), "c": ("tflops_frac", 0.70), "d": ("flashinfer_over_ours", 1.2)}
-OURS = {"triton": "ms", "cuda": "cuda_ms", "cuda-wgmma": "cuda_wgmma_ms", "cuda-wgmma-tma": "cuda_wgmma_tma_ms"}
+OURS = {
+    "triton": "ms",
+    "cuda": "cuda_ms",
+    "cuda-wgmma": "cuda_wgmma_ms",
+    "cuda-wgmma-tma": "cuda_wgmma_tma_ms",
+    "cuda-wgmma-pipe": "cuda_wgmma_pipe_ms",
+}
 OURS_ERR = {
     "triton": "rel_err_vs_fp64",
     "cuda": "cuda_rel_err_vs_fp64",
     "cuda-wgmma": "cuda_wgmma_rel_err_vs_fp64",
     "cuda-wgmma-tma": "cuda_wgmma_tma_rel_err_vs_fp64",
+    "cuda-wgmma-pipe": "cuda_wgmma_pipe_rel_err_vs_fp64",
 }
 # an output further than this from float64 is wrong, whatever its time (fp16/bf16 rounding alone is
 # about 2.3e-3): such a backend meets no target
@@ -185,7 +192,8 @@ def run_case(
             row["cuda_rel_err_vs_fp64"] = fp64_error(theirs)
             row["cuda_kernel"] = cuda_backend.chosen_kernel(*batch.args())
             if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
-                for impl in ("wgmma", "wgmma-tma"):  # the prefill tiles' K/V by cp.async, then by TMA
+                # the prefill tiles' K/V by cp.async, then by TMA, then by TMA and pipelined
+                for impl in ("wgmma", "wgmma-tma", "wgmma-pipe"):
                     run = functools.partial(cuda_backend.paged_attention, *batch.args(), out=out, impl=impl)
                     key = "cuda_" + impl.replace("-", "_")
                     with contextlib.suppress(ValueError):  # a build without 9.0a
@@ -209,7 +217,7 @@ def run_case(
     row["kv_bw_frac"] = row["kv_gbps"] / ceilings["copy_gbps"]
     row["tflops"] = flops / seconds / 1e12
     row["tflops_frac"] = row["tflops"] / ceilings["matmul_tflops"]
-    for other in ("torch", "flashinfer", "flashinfer_pod", "cuda", "cuda_wgmma", "cuda_wgmma_tma"):
+    for other in ("torch", "flashinfer", "flashinfer_pod", "cuda", "cuda_wgmma", "cuda_wgmma_tma", "cuda_wgmma_pipe"):
         if f"{other}_ms" in row:
             row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["ms"]
     return row
@@ -522,7 +530,7 @@ def measure_config(
     out = torch.empty_like(batch.q)
     runs = {"triton": lambda b=batch, o=out: triton_kernels.paged_attention(*b.args(), out=o)}
     if cuda_backend.available():
-        for impl in ("auto", "simt") + (("wgmma", "wgmma-tma") if hopper and d <= 128 else ()):
+        for impl in ("auto", "simt") + (("wgmma", "wgmma-tma", "wgmma-pipe") if hopper and d <= 128 else ()):
             name = "cuda" if impl == "auto" else f"cuda-{impl}"
             runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
     checks = {}  # backends whose timed run does not return our layout: what to check instead
@@ -650,8 +658,8 @@ def markdown(report: dict) -> str:
         "",
         "| case | shape | triton ms | KV GB/s | of copy BW | TFLOP/s | of matmul peak "
         "| torch/triton | FlashInfer/triton | FlashInfer POD/triton | err vs fp64 | cuda ms | cuda err "
-        "| cuda wgmma ms | wgmma err | wgmma TMA ms | TMA err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cuda wgmma ms | wgmma err | wgmma TMA ms | TMA err | wgmma pipe ms | pipe err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(row: dict, key: str, spec: str) -> str:
@@ -665,7 +673,8 @@ def markdown(report: dict) -> str:
             f"{fmt(r, 'rel_err_vs_fp64', '.1e')} | "
             f"{fmt(r, 'cuda_ms', '.4f')} | {fmt(r, 'cuda_rel_err_vs_fp64', '.1e')} | "
             f"{fmt(r, 'cuda_wgmma_ms', '.4f')} | {fmt(r, 'cuda_wgmma_rel_err_vs_fp64', '.1e')} | "
-            f"{fmt(r, 'cuda_wgmma_tma_ms', '.4f')} | {fmt(r, 'cuda_wgmma_tma_rel_err_vs_fp64', '.1e')} |"
+            f"{fmt(r, 'cuda_wgmma_tma_ms', '.4f')} | {fmt(r, 'cuda_wgmma_tma_rel_err_vs_fp64', '.1e')} | "
+            f"{fmt(r, 'cuda_wgmma_pipe_ms', '.4f')} | {fmt(r, 'cuda_wgmma_pipe_rel_err_vs_fp64', '.1e')} |"
         )
     if any("variants" in r or "variants_error" in r for r in report["rows"]):
         lines += [

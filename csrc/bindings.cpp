@@ -35,7 +35,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("paged_attention", [attention_args](py::kwargs kw) { paged_attention(attention_args(kw)); });
   m.def("attention_impl", [attention_args](py::kwargs kw) { return attention_impl(attention_args(kw)); },
         "which kernel would run for these arguments: 1 the CUDA-core one, 2 the tensor-core one, 3 the "
-        "tensor-core one with wgmma prefill tiles, 4 those tiles with TMA loads");
+        "tensor-core one with wgmma prefill tiles, 4 those tiles with TMA loads, 5 the TMA tiles "
+        "pipelined");
 
   m.def(
       "store_kv",

@@ -11,15 +11,17 @@ namespace minengine {
 // runs the tensor-core kernel with Hopper wgmma prefill tiles (an sm_90 GPU, a 9.0a build,
 // head_dim <= 128); kAttentionWgmmaTma the same tiles with their K/V stages loaded by TMA where
 // whole chunks of pages allow (page_size 8, 16, 32, 64 or a multiple of 64, 128-byte aligned cache
-// bases and strides; elsewhere it runs kAttentionWgmma). num_splits > 1 (the tensor-core kernel;
-// the CUDA-core one ignores it) needs part_acc, fp32 [num_splits, num_tokens, Hq, head_dim], and
-// part_ml, fp32 [.., Hq, 2].
+// bases and strides; elsewhere it runs kAttentionWgmma); kAttentionWgmmaPipe those TMA tiles
+// pipelined (a stage's softmax under the previous stage's P V; the same fallback). num_splits > 1
+// (the tensor-core kernel; the CUDA-core one ignores it) needs part_acc, fp32 [num_splits,
+// num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
 enum AttentionImpl : int {
   kAttentionAuto = 0,
   kAttentionSimt = 1,
   kAttentionMma = 2,
   kAttentionWgmma = 3,
-  kAttentionWgmmaTma = 4
+  kAttentionWgmmaTma = 4,
+  kAttentionWgmmaPipe = 5
 };
 
 struct PagedAttentionArgs {
@@ -47,8 +49,8 @@ struct GatherArgs {
 };
 
 void paged_attention(const PagedAttentionArgs& args);
-// Which kernel paged_attention runs for these arguments (kAttentionSimt, kAttentionMma, kAttentionWgmma or
-// kAttentionWgmmaTma);
+// Which kernel paged_attention runs for these arguments (kAttentionSimt, kAttentionMma, kAttentionWgmma,
+// kAttentionWgmmaTma or kAttentionWgmmaPipe);
 // std::invalid_argument, as from paged_attention, where the kernel asked for cannot take them.
 int attention_impl(const PagedAttentionArgs& args);
 void store_kv(const StoreKVArgs& args);

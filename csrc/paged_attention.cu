@@ -182,9 +182,11 @@ template <int D> struct MmaShape {
   static constexpr int kPitch = D + 8;  // shared-memory row pitch (elements): conflict-free fragments
 };
 
-// The wgmma prefill tile (sm_90a, D <= 128): 64 keys per stage, double-buffered, K and V stages in
-// 128B-swizzled atoms, plus up to 1 KB to align the first atom to 1024 bytes.
-constexpr int kWgmmaKeys = 64, kWgmmaStages = 2;
+// The wgmma prefill tile (sm_90a, D <= 128): 64 keys per stage, double-buffered (three buffers when
+// pipelined: a stage's V is read while the next stage's K is and the one after lands), K and V stages
+// in 128B-swizzled atoms, plus up to 1 KB to align the first atom to 1024 bytes.
+constexpr int kWgmmaKeys = 64;
+__host__ __device__ constexpr int wgmma_stages(bool pipe) { return pipe ? 3 : 2; }
 
 template <typename T, int D, int KEYS, int STAGES> __host__ __device__ constexpr size_t kv_smem_bytes() {
   return static_cast<size_t>(2) * STAGES * KEYS * MmaShape<D>::kPitch * sizeof(T);
@@ -200,19 +202,19 @@ constexpr size_t kOffsetBytes = sizeof(int64_t) * 2 * 2 * kMaxStageKeys;
 
 // The K/V stages (or the decode tiles' merge buffers) from the start of shared memory, then the key
 // offsets at mma_offsets_at.
-template <typename T, int D, bool WG> __host__ __device__ constexpr size_t mma_offsets_at() {
-  constexpr size_t prefill = WG ? static_cast<size_t>(2) * kWgmmaStages * kWgmmaKeys * D * sizeof(T) + 1024
+template <typename T, int D, bool WG, bool PIPE = false> __host__ __device__ constexpr size_t mma_offsets_at() {
+  constexpr size_t prefill = WG ? static_cast<size_t>(2) * wgmma_stages(PIPE) * kWgmmaKeys * D * sizeof(T) + 1024
                                 : kv_smem_bytes<T, D, MmaShape<D>::kPrefillKeys, MmaShape<D>::kPrefillStages>();
   constexpr size_t decode = kv_smem_bytes<T, D, MmaShape<D>::kDecodeKeys, MmaShape<D>::kDecodeStages>();
   constexpr size_t merge = sizeof(float) * 4 * 16 * (D + 2);  // decode tiles: 4 warps' partials
   return (max3(prefill, decode, merge) + 15) / 16 * 16;
 }
 // wgmma-tma tiles also keep, after the key offsets, two stages' page ids of their TMA chunks (-1:
-// the chunk comes by cp.async) and the two stage buffers' mbarriers.
+// the chunk comes by cp.async) and the stage buffers' mbarriers.
 constexpr int kMaxTmaChunks = 8;  // 64 keys in chunks of at least 8 slots
-constexpr size_t kTmaBytes = sizeof(int32_t) * 2 * kMaxTmaChunks + sizeof(uint64_t) * 2;
-template <typename T, int D, bool WG, bool TMA = false> constexpr size_t mma_smem_bytes() {
-  return mma_offsets_at<T, D, WG>() + kOffsetBytes + (TMA ? kTmaBytes : 0);
+constexpr size_t tma_bytes(int stages) { return sizeof(int32_t) * 2 * kMaxTmaChunks + sizeof(uint64_t) * stages; }
+template <typename T, int D, bool WG, bool TMA = false, bool PIPE = false> constexpr size_t mma_smem_bytes() {
+  return mma_offsets_at<T, D, WG, PIPE>() + kOffsetBytes + (TMA ? tma_bytes(wgmma_stages(PIPE)) : 0);
 }
 
 // The rows and keys of one tile of BM rows of sequence `seq`, starting at row tile * BM, and the two
@@ -362,9 +364,11 @@ template <int KEYS> struct Swizzle128 {
 // domain (of scale_log2 * S), so each weight is one FFMA and one ex2: 2^(S scale_log2 - m), with
 // scale_log2 >= 0 (start_tile folds a negative scale into Q's sign). MASKED: keys at or past key_hi
 // or after a row's position weigh 0; without it every key counts (stages below full_hi).
-template <int NT, int ND, bool MASKED>
+// DEFER (the pipelined wgmma tile, whose acc is still a P V's accumulator): acc is left alone and
+// the rows' rescale factors go to alpha instead.
+template <int NT, int ND, bool MASKED, bool DEFER = false>
 __device__ __forceinline__ void online_softmax(const MmaParams& p, const TileRows& r, int key0, int t, float s[NT][4],
-                                               float acc[ND][4], float m[2], float l[2]) {
+                                               float acc[ND][4], float m[2], float l[2], float* alpha_out = nullptr) {
   if constexpr (MASKED) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -388,10 +392,14 @@ __device__ __forceinline__ void online_softmax(const MmaParams& p, const TileRow
     const float alpha = fast_exp2(m[i] - base);
     m[i] = m_new;
     l[i] *= alpha;
+    if constexpr (DEFER) {
+      alpha_out[i] = alpha;
+    } else {
 #pragma unroll
-    for (int dn = 0; dn < ND; ++dn) {
-      acc[dn][2 * i] *= alpha;
-      acc[dn][2 * i + 1] *= alpha;
+      for (int dn = 0; dn < ND; ++dn) {
+        acc[dn][2 * i] *= alpha;
+        acc[dn][2 * i + 1] *= alpha;
+      }
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -406,13 +414,13 @@ __device__ __forceinline__ void online_softmax(const MmaParams& p, const TileRow
 }
 
 // online_softmax without masks for stages every row sees whole (key0 + KW <= full_hi), else with.
-template <int NT, int ND>
+template <int NT, int ND, bool DEFER = false>
 __device__ __forceinline__ void softmax_stage(const MmaParams& p, const TileRows& r, int key0, int t, float s[NT][4],
-                                              float acc[ND][4], float m[2], float l[2]) {
+                                              float acc[ND][4], float m[2], float l[2], float* alpha = nullptr) {
   if (key0 + NT * 8 <= r.full_hi) {
-    online_softmax<NT, ND, false>(p, r, key0, t, s, acc, m, l);
+    online_softmax<NT, ND, false, DEFER>(p, r, key0, t, s, acc, m, l, alpha);
   } else {
-    online_softmax<NT, ND, true>(p, r, key0, t, s, acc, m, l);
+    online_softmax<NT, ND, true, DEFER>(p, r, key0, t, s, acc, m, l, alpha);
   }
 }
 
@@ -705,9 +713,13 @@ __device__ __forceinline__ void issue_tma_chunks(const MmaParams& p, const int32
 // group before the softmax reads S or the next stage rescales O.
 // TMA: K/V stages by TMA where whole chunks of pages allow (store_key_tma), completing on an mbarrier
 // per stage buffer.
-template <typename T, int D, bool TMA>
+// PIPE (FA3's intra-warpgroup overlap): stage t's S and stage t - 1's P V are issued together, and
+// the softmax of S runs while the P V does, so the tensor cores have work through it; O is rescaled
+// once the P V is in. Three stage buffers (t + 1 lands while t's K and t - 1's V are read), P of the
+// previous stage held in registers: about 30 more registers, two blocks an SM.
+template <typename T, int D, bool TMA, bool PIPE>
 __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64_t* offsets, int seq, int tile) {
-  constexpr int KEYS = kWgmmaKeys, STAGES = kWgmmaStages;
+  constexpr int KEYS = kWgmmaKeys, STAGES = wgmma_stages(PIPE);
   constexpr uint32_t ATOMS = KEYS * 128, STAGE_BYTES = ATOMS * (D / 64);  // bytes per 64-dim block, per stage
   static_assert(D % 64 == 0 && D <= 128, "wgmma tile head dims");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -747,52 +759,30 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
   };
 
   if constexpr (TMA) {
-    static_assert(STAGES == 2, "a barrier per stage buffer");
     if (threadIdx.x == 0) {  // an arrival a warp (issue_tma_chunks); published by start_offsets' barrier
       prefetch_tensor_map(&p.k_map);
       prefetch_tensor_map(&p.v_map);
-      mbarrier_init(&bars[0], kThreads / 32);
-      mbarrier_init(&bars[1], kThreads / 32);
+#pragma unroll
+      for (int b = 0; b < STAGES; ++b) mbarrier_init(&bars[b], kThreads / 32);
     }
   }
-  start_offsets<KEYS>(p, table, r, stage_offsets, store);
-  if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
-  cp_async_commit();
-  for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
-    const int buf = (stage - r.stage_lo) % STAGES;
-    const KeyLookup ahead = lookup_key<KEYS>(p, table, stage + 2, r.key_hi);
-    if (stage + 1 < r.stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
-    cp_async_commit();
-    cp_async_wait<1>();
-    // The buffer's TMA loads: its n-th fill (n = (stage - stage_lo) / 2) completes phase n.
-    if constexpr (TMA) mbarrier_wait(&bars[buf], static_cast<uint32_t>((stage - r.stage_lo) >> 1) & 1u);
-    fence_proxy_async();  // the landed copies, to the async proxy wgmma reads through
-    __syncthreads();
-
-    // S = Q K^T: k-step kk reads dims [16 kk, 16 kk + 16) of all 64 keys (32 bytes into the atom row);
-    // the first overwrites S (scale-d 0), so S needs no zero fill.
-    float s[KEYS / 8][4];
+  // S = Q K^T of the stage in buffer buf: k-step kk reads dims [16 kk, 16 kk + 16) of all 64 keys
+  // (32 bytes into the atom row); the first overwrites S (scale-d 0), so S needs no zero fill.
+  auto issue_s = [&](float s[KEYS / 8][4], int buf) {
     const uint64_t k_stage = descriptor_plus(k_desc0, buf * STAGE_BYTES);
-    const uint64_t v_stage = descriptor_plus(v_desc0, buf * STAGE_BYTES);
-    auto k_desc = [&](int kk) { return descriptor_plus(k_stage, (kk / 4) * ATOMS + (kk % 4) * 32); };
     fence_registers<D / 4>(&qf[0][0]);
     wgmma_fence();
-    wgmma_m64k16<T, KEYS, 0, false>(&s[0][0], qf[0], k_desc(0));
+    wgmma_m64k16<T, KEYS, 0, false>(&s[0][0], qf[0], k_stage);
 #pragma unroll
     for (int kk = 1; kk < D / 16; ++kk) {  // dims past head_dim are zeros in Q and K
-      wgmma_m64k16<T, KEYS, 0, true>(&s[0][0], qf[kk], k_desc(kk));
+      wgmma_m64k16<T, KEYS, 0, true>(&s[0][0], qf[kk], descriptor_plus(k_stage, (kk / 4) * ATOMS + (kk % 4) * 32));
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers<KEYS / 2>(&s[0][0]);  // S is read only after the wait
-    softmax_stage<KEYS / 8, D / 8>(p, r, stage * KEYS, t, s, acc, m, l);
-
-    // O += P V: k-step kc reads keys [16 kc, 16 kc + 16) of all D dims, N-major: 64-dim atoms LBO
-    // apart, 8-key row groups SBO apart. All of P is packed first: registers written between the
-    // wgmmas of a group would make ptxas serialize.
-    uint32_t pf[KEYS / 16][4];
-#pragma unroll
-    for (int kc = 0; kc < KEYS / 16; ++kc) p_fragment<T>(s[2 * kc], s[2 * kc + 1], pf[kc]);
+  };
+  // O += P V of the stage in buffer buf: k-step kc reads keys [16 kc, 16 kc + 16) of all D dims,
+  // N-major: 64-dim atoms LBO apart, 8-key row groups SBO apart.
+  auto issue_pv = [&](uint32_t pf[KEYS / 16][4], int buf) {
+    const uint64_t v_stage = descriptor_plus(v_desc0, buf * STAGE_BYTES);
     fence_registers<KEYS / 4>(&pf[0][0]);
     fence_registers<D / 2>(&acc[0][0]);
     wgmma_fence();
@@ -801,10 +791,79 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
       wgmma_m64k16<T, D, 1, true>(&acc[0][0], pf[kc], descriptor_plus(v_stage, kc * 16 * 128));
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers<D / 2>(&acc[0][0]);
-    store(ahead, stage + 2);  // stage's own entries are read: reuse them
-    __syncthreads();          // the buffer is refilled next; the entries are published
+  };
+  // Stage `stage` in buffer buf, landed and visible to wgmma; the next stage's copies issued first.
+  auto wait_stage = [&](int stage, int buf, int next_buf, uint32_t phase) {
+    if (stage + 1 < r.stage_hi) load_stage(stage + 1, next_buf);
+    cp_async_commit();
+    cp_async_wait<1>();
+    // The buffer's TMA loads: its n-th fill completes phase n (parity n & 1).
+    if constexpr (TMA) mbarrier_wait(&bars[buf], phase);
+    fence_proxy_async();  // the landed copies, to the async proxy wgmma reads through
+    __syncthreads();
+  };
+
+  start_offsets<KEYS>(p, table, r, stage_offsets, store);
+  if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
+  cp_async_commit();
+  if constexpr (PIPE) {
+    uint32_t pf[KEYS / 16][4];  // the previous stage's P, until its P V is issued
+    int buf = 0, prev = STAGES - 1;
+    uint32_t phase = 0;
+    for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
+      const int next = buf + 1 == STAGES ? 0 : buf + 1;
+      const KeyLookup ahead = lookup_key<KEYS>(p, table, stage + 2, r.key_hi);
+      wait_stage(stage, buf, next, phase);
+      float s[KEYS / 8][4], alpha[2];
+      issue_s(s, buf);
+      if (stage > r.stage_lo) {  // P V of the stage before, in flight through this stage's softmax
+        issue_pv(pf, prev);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_registers<KEYS / 2>(&s[0][0]);  // S is read only after the wait
+      softmax_stage<KEYS / 8, D / 8, true>(p, r, stage * KEYS, t, s, acc, m, l, alpha);
+      wgmma_wait<0>();  // the P V: O and its P registers are free
+      fence_registers<D / 2>(&acc[0][0]);
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        acc[dn][0] *= alpha[0], acc[dn][1] *= alpha[0];
+        acc[dn][2] *= alpha[1], acc[dn][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int kc = 0; kc < KEYS / 16; ++kc) p_fragment<T>(s[2 * kc], s[2 * kc + 1], pf[kc]);
+      store(ahead, stage + 2);  // stage's own entries are read: reuse them
+      __syncthreads();          // the buffer after next is refilled next; the entries are published
+      prev = buf, buf = next;
+      if (buf == 0) phase ^= 1u;
+    }
+    if (r.stage_lo < r.stage_hi) {
+      issue_pv(pf, prev);
+      wgmma_wait<0>();
+      fence_registers<D / 2>(&acc[0][0]);
+    }
+  } else {
+    for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
+      const int buf = (stage - r.stage_lo) % STAGES;
+      const KeyLookup ahead = lookup_key<KEYS>(p, table, stage + 2, r.key_hi);
+      wait_stage(stage, buf, (buf + 1) % STAGES, static_cast<uint32_t>((stage - r.stage_lo) >> 1) & 1u);
+      float s[KEYS / 8][4];
+      issue_s(s, buf);
+      wgmma_wait<0>();
+      fence_registers<KEYS / 2>(&s[0][0]);  // S is read only after the wait
+      softmax_stage<KEYS / 8, D / 8>(p, r, stage * KEYS, t, s, acc, m, l);
+      // All of P is packed first: registers written between the wgmmas of a group would make ptxas
+      // serialize.
+      uint32_t pf[KEYS / 16][4];
+#pragma unroll
+      for (int kc = 0; kc < KEYS / 16; ++kc) p_fragment<T>(s[2 * kc], s[2 * kc + 1], pf[kc]);
+      issue_pv(pf, buf);
+      wgmma_wait<0>();
+      fence_registers<D / 2>(&acc[0][0]);
+      store(ahead, stage + 2);  // stage's own entries are read: reuse them
+      __syncthreads();          // the buffer is refilled next; the entries are published
+    }
   }
   quad_sum(l);
   store_rows<T, D>(p, r, t, acc, m, l);
@@ -816,15 +875,15 @@ __device__ __forceinline__ bool decode_kind(const MmaParams& p, int seq) {
 }
 
 // WG: prefill tiles on wgmma (sm_90a, D <= 128) instead of mma.sync, TMA: their K/V by TMA where
-// pages allow; decode tiles are the same. p is a __grid_constant__ so its tensor maps have an
-// address TMA can read. The wgmma kernels keep to 168 registers at D 128 (three blocks an SM), 128
-// at D 64 (four).
-template <typename T, int D, bool WG, bool TMA>
-__global__ void __launch_bounds__(kThreads, WG ? (D > 64 ? 3 : 4) : 0)
+// pages allow, PIPE: pipelined (wgmma_tile); decode tiles are the same. p is a __grid_constant__ so
+// its tensor maps have an address TMA can read. The wgmma kernels keep to 168 registers at D 128
+// (three blocks an SM), 128 at D 64 (four); pipelined, 255 (two) and 168 (three).
+template <typename T, int D, bool WG, bool TMA, bool PIPE = false>
+__global__ void __launch_bounds__(kThreads, WG ? (PIPE ? (D > 64 ? 2 : 3) : (D > 64 ? 3 : 4)) : 0)
     attention_mma_kernel(const __grid_constant__ MmaParams p) {
   ME_DYNAMIC_SMEM(smem);
   using S = MmaShape<D>;
-  constexpr size_t offsets_at = mma_offsets_at<T, D, WG>();
+  constexpr size_t offsets_at = mma_offsets_at<T, D, WG, PIPE>();
   int64_t* offsets = reinterpret_cast<int64_t*>(smem + offsets_at);
   const int bid = blockIdx.x;
   if (bid < p.prefill_blocks) {
@@ -837,7 +896,7 @@ __global__ void __launch_bounds__(kThreads, WG ? (D > 64 ? 3 : 4) : 0)
     if (decode_kind(p, lo)) return;
     const int tile = bid - static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group / 64) - lo;
     if constexpr (WG) {
-      wgmma_tile<T, D, TMA>(p, smem, offsets, lo, tile);
+      wgmma_tile<T, D, TMA, PIPE>(p, smem, offsets, lo, tile);
     } else {
       mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, offsets, lo, tile);
     }
@@ -1007,19 +1066,20 @@ void encode_kv_map(TensorMap* map, uintptr_t base, int dtype, const PagedAttenti
 }  // namespace
 
 // The kernel paged_attention runs: auto's pick, or the one asked for if it can take the arguments
-// (else std::invalid_argument saying why, as paged_attention would). wgmma-tma asked for on caches
-// TMA cannot load (tma_applies) runs the wgmma kernel as it is, with cp.async.
+// (else std::invalid_argument saying why, as paged_attention would). wgmma-tma or wgmma-pipe asked
+// for on caches TMA cannot load (tma_applies) runs the wgmma kernel as it is, with cp.async.
 int attention_impl(const PagedAttentionArgs& a) {
   if (a.impl == kAttentionAuto) return mma_unsupported(a).empty() ? kAttentionMma : kAttentionSimt;
-  if (a.impl == kAttentionMma || a.impl == kAttentionWgmma || a.impl == kAttentionWgmmaTma) {
+  if (a.impl == kAttentionMma || a.impl == kAttentionWgmma || a.impl == kAttentionWgmmaTma ||
+      a.impl == kAttentionWgmmaPipe) {
     const std::string why = a.impl == kAttentionMma ? mma_unsupported(a) : wgmma_unsupported(a);
     if (!why.empty()) throw std::invalid_argument(why);
-    if (a.impl == kAttentionWgmmaTma && !tma_applies(a)) return kAttentionWgmma;
+    if ((a.impl == kAttentionWgmmaTma || a.impl == kAttentionWgmmaPipe) && !tma_applies(a)) return kAttentionWgmma;
     return a.impl;
   }
   if (a.impl == kAttentionSimt) return a.impl;
   throw std::invalid_argument("attention impl " + std::to_string(a.impl) +
-                              "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma), 4 (wgmma-tma)");
+                              "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma), 4 (wgmma-tma), 5 (wgmma-pipe)");
 }
 
 namespace {
@@ -1040,10 +1100,10 @@ void launch_simt(const PagedAttentionArgs& a, const FastDiv& page, cudaStream_t 
   check_launch("paged_attention (CUDA cores)");
 }
 
-template <typename T, int D, bool WG, bool TMA = false>
+template <typename T, int D, bool WG, bool TMA = false, bool PIPE = false>
 void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
-  auto kernel = attention_mma_kernel<T, D, WG, TMA>;
-  constexpr size_t smem = mma_smem_bytes<T, D, WG, TMA>();
+  auto kernel = attention_mma_kernel<T, D, WG, TMA, PIPE>;
+  constexpr size_t smem = mma_smem_bytes<T, D, WG, TMA, PIPE>();
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   const dim3 grid(static_cast<unsigned>(p.prefill_blocks + a.num_seqs + 1), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(a.num_splits));
@@ -1060,7 +1120,10 @@ void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_
 
 template <typename T>
 void launch_mma(const PagedAttentionArgs& a, const MmaParams& p, int impl, cudaStream_t stream) {
-  if (impl == kAttentionWgmmaTma) {  // head_dim <= 128 (wgmma_unsupported)
+  if (impl == kAttentionWgmmaPipe) {  // head_dim <= 128 (wgmma_unsupported)
+    if (a.head_dim <= 64) launch_mma_dim<T, 64, true, true, true>(a, p, stream);
+    else launch_mma_dim<T, 128, true, true, true>(a, p, stream);
+  } else if (impl == kAttentionWgmmaTma) {
     if (a.head_dim <= 64) launch_mma_dim<T, 64, true, true>(a, p, stream);
     else launch_mma_dim<T, 128, true, true>(a, p, stream);
   } else if (impl == kAttentionWgmma) {
@@ -1121,7 +1184,7 @@ void paged_attention(const PagedAttentionArgs& a) {
   p.sv_p = a.sv_p, p.sv_s = a.sv_s, p.sv_h = a.sv_h, p.so_t = a.so_t, p.so_h = a.so_h, p.sbt = a.sbt;
   p.scale_log2 = static_cast<float>(std::fabs(a.softmax_scale)) * kLog2e;
   p.q_sign = a.softmax_scale < 0 ? 0x80008000u : 0u;
-  if (impl == kAttentionWgmmaTma) {  // (attention_impl checked that TMA applies)
+  if (impl == kAttentionWgmmaTma || impl == kAttentionWgmmaPipe) {  // (attention_impl checked that TMA applies)
     p.tma_rows = static_cast<int>(a.page_size < 64 ? a.page_size : 64);
     while ((1 << p.tma_shift) < p.tma_rows) ++p.tma_shift;
     encode_kv_map(&p.k_map, a.k_cache, a.dtype, a, a.sk_p, a.sk_s, a.sk_h, p.tma_rows);

@@ -39,8 +39,9 @@ KINDS = (("decode", 1, 1), ("split", 1, 4), ("prefill", 2048, 1))  # (name, max_
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 TYPES = {"6__half": "fp16", "13__nv_bfloat16": "bf16", "f": "fp32"}
 KERNEL_NAMES = {  # mangled-name pattern -> readable name
-    r"attention_mma_kernelI(\w+?)Li(\d+)ELb([01])ELb([01])E": lambda m: (
-        f"{'mma' if m[3] == '0' else 'wgmma-tma' if m[4] == '1' else 'wgmma'} {TYPES.get(m[1], m[1])} D{m[2]}"
+    r"attention_mma_kernelI(\w+?)Li(\d+)ELb([01])ELb([01])ELb([01])E": lambda m: (
+        f"{'mma' if m[3] == '0' else 'wgmma-pipe' if m[5] == '1' else 'wgmma-tma' if m[4] == '1' else 'wgmma'}"
+        f" {TYPES.get(m[1], m[1])} D{m[2]}"
     ),
     r"attention_simt_kernelI(\w+?)EEv": lambda m: f"simt {TYPES.get(m[1], m[1])}",
     r"merge_splits_kernelI(\w+?)EEv": lambda m: f"merge {TYPES.get(m[1], m[1])}",

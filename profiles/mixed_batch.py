@@ -1,9 +1,9 @@
 """Run the kernels a few times on the representative mixed batch (for ncu / compute-sanitizer).
 
-python profiles/mixed_batch.py --backend triton|cuda|cuda-wgmma|cuda-wgmma-tma [--small]
+python profiles/mixed_batch.py --backend triton|cuda|cuda-wgmma|cuda-wgmma-tma|cuda-wgmma-pipe [--small]
 
 cuda-wgmma: the cuda kernel with its prefill tiles on Hopper's wgmma (an sm_90 GPU); cuda-wgmma-tma:
-those tiles with their K/V loaded by TMA.
+those tiles with their K/V loaded by TMA; cuda-wgmma-pipe: the TMA tiles pipelined.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from minengine.ops.testing import make_paged_batch
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--backend", default="triton", choices=["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma"])
+    p.add_argument(
+        "--backend", default="triton", choices=["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe"]
+    )
     p.add_argument("--small", action="store_true", help="a small batch (for compute-sanitizer, which is slow)")
     p.add_argument("--iters", type=int, default=4)
     args = p.parse_args()

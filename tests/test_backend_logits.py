@@ -7,8 +7,9 @@ host metadata staged as the runner stages it) and every row's
 logits, not just greedy tokens.
 
 On CPU: the torch and Triton (interpreted) backends in float32, and the CUDA kernels through the
-emulator in fp16 (tensor-core and wgmma tiles, the latter also with TMA loads on 8-slot pages).
-On a GPU (``gpu``): triton, cuda, cuda-wgmma and cuda-wgmma-tma (sm_90), flashinfer (when
+emulator in fp16 (tensor-core and wgmma tiles, the latter also with TMA loads on 8-slot pages,
+and pipelined). On a GPU (``gpu``): triton, cuda, cuda-wgmma, cuda-wgmma-tma and cuda-wgmma-pipe
+(sm_90), flashinfer (when
 installed) and auto in fp16: the model in fp16 is within about 3e-3 of float32 here, in bf16
 within 2.5e-2, too close to any tolerance that would still catch a kernel bug (the kernel tests
 cover bf16).
@@ -55,7 +56,7 @@ def teacher_forced(model, kernels: KernelSet, seqs, dtype, device, page: int = P
     17-token chunk, then 23 more over the cached 17), over two mixed steps."""
     cfg = model.config
     pool = KVPool(cfg.num_layers, 32, page, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-    if page >= 8:  # TMA loads (cuda-wgmma-tma) take 128-byte aligned caches; CPU tensors are 64-byte aligned
+    if page >= 8:  # TMA loads (cuda-wgmma-tma, -pipe) take 128-byte aligned caches; CPU tensors are 64-byte aligned
         pool.kv = aligned_rows(pool.kv)
         pool.layers = [(pool.kv[i, :, 0], pool.kv[i, :, 1]) for i in range(cfg.num_layers)]
     free = random.sample(range(32), 32)
@@ -110,10 +111,10 @@ def test_backend_logits_cpu(backend, checkpoint, sequences):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the GPU test below runs the real kernels")
-@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe"])
 def test_cuda_emulated_logits(impl, checkpoint, sequences):
-    """The CUDA tensor-core kernel (and its wgmma prefill tiles, K/V by cp.async or TMA) in fp16
-    through the emulator; TMA takes pages of 8 slots or more."""
+    """The CUDA tensor-core kernel (and its wgmma prefill tiles, K/V by cp.async or TMA, or by TMA
+    and pipelined) in fp16 through the emulator; TMA takes pages of 8 slots or more."""
     from conftest import use_cuda_emulator
 
     from minengine.ops import cuda
@@ -127,13 +128,16 @@ def test_cuda_emulated_logits(impl, checkpoint, sequences):
             return cuda.paged_attention(*args, impl=impl)
 
         kernels = base._replace(paged_attention=attention)
-        check_backend(checkpoint, sequences, kernels, "float16", "cpu", 2e-2, page=8 if impl == "wgmma-tma" else PAGE)
+        tma = impl in ("wgmma-tma", "wgmma-pipe")
+        check_backend(checkpoint, sequences, kernels, "float16", "cpu", 2e-2, page=8 if tma else PAGE)
     finally:
         cuda.use_emulator(False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "flashinfer", "auto"])
+@pytest.mark.parametrize(
+    "backend", ["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe", "flashinfer", "auto"]
+)
 def test_backend_logits_gpu(backend, checkpoint, sequences):
     from minengine.ops import cuda, flashinfer_ref
 
@@ -152,7 +156,7 @@ def test_backend_logits_gpu(backend, checkpoint, sequences):
     else:
         kernels = get_kernels(backend, "cuda")
     check_backend(
-        checkpoint, sequences, kernels, "float16", "cuda", 2e-2, page=8 if backend == "cuda-wgmma-tma" else PAGE
+        checkpoint, sequences, kernels, "float16", "cuda", 2e-2, page=8 if backend.startswith("cuda-wgmma-") else PAGE
     )
     if backend == "flashinfer":  # one plan per step, each from the staged host metadata
         assert kernels.paged_attention.plans == kernels.paged_attention.host_plans == 2

@@ -1,6 +1,6 @@
 """The CUDA C++ attention kernels beyond the shared contract tests: both kernels (tensor cores and
 CUDA cores), which one ``auto`` picks, prefill and decode tiles in one launch, split-KV, wide GQA
-groups, Hopper's wgmma prefill tiles (K/V by cp.async, or by TMA), and random batches.
+groups, Hopper's wgmma prefill tiles (K/V by cp.async, or by TMA; pipelined), and random batches.
 
 On a GPU these run the real kernels of ``minengine._C``; without one, the same sources compiled
 for the CPU and run by the warp-level emulator (``minengine/ops/cuda_emulator.py``).
@@ -58,11 +58,14 @@ def batch_for(q_lens, kv_lens, dtype, device, hq=8, hkv=2, d=64, page=16, **kw):
     )
 
 
+TMA_IMPLS = ("wgmma-tma", "wgmma-pipe")  # the impls whose prefill tiles load K/V by TMA
+
+
 def tma_ready(batch, impl):
-    """For impl "wgmma-tma": the batch with its caches 128-byte aligned and in rows of 64-element
+    """For the TMA impls: the batch with its caches 128-byte aligned and in rows of 64-element
     multiples (NaN padding), as TMA takes them (CPU tensors are only 64-byte aligned), checked to
     run with TMA; other impls: the batch as it is."""
-    if impl != "wgmma-tma":
+    if impl not in TMA_IMPLS:
         return batch
     width = -(-batch.q.shape[-1] // 64) * 64
     batch = dataclasses.replace(
@@ -131,7 +134,16 @@ def test_every_tile_shape_over_several_stages(head_dim, dev):
 
 @pytest.mark.skipif(HAS_CUDA, reason="the emulator's copy timing; a GPU has its own")
 @pytest.mark.parametrize(
-    ("impl", "head_dim"), [("mma", 64), ("mma", 256), ("wgmma", 64), ("wgmma", 128), ("wgmma-tma", 128)]
+    ("impl", "head_dim"),
+    [
+        ("mma", 64),
+        ("mma", 256),
+        ("wgmma", 64),
+        ("wgmma", 128),
+        ("wgmma-tma", 128),
+        ("wgmma-pipe", 64),
+        ("wgmma-pipe", 128),
+    ],
 )
 def test_stages_are_refilled_only_after_every_warp_read_them(impl, head_dim, dev):
     """With copies landing at issue (as early as the GPU may land them) and one warp at a time
@@ -139,7 +151,9 @@ def test_stages_are_refilled_only_after_every_warp_read_them(impl, head_dim, dev
     warps that read later the next stage's keys: a write-after-read race the default (latest
     landing, warps in lockstep) cannot show. Deleting the mma tile's trailing barrier fails every
     case here. The wgmma tile's cannot be checked this way: the emulator runs each wgmma as one
-    collective of the whole warpgroup, so its reads end together (TMA loads land at issue too)."""
+    collective of the whole warpgroup, so its reads end together (TMA loads land at issue too). What
+    it does check there is the buffer count: the pipelined tile with two stage buffers instead of
+    three refills the one its last P V still reads, and fails."""
     from minengine.ops import cuda_emulator
 
     batch = tma_ready(batch_for([1, 1, 40], [200, 129, 240], torch.bfloat16, dev, d=head_dim), impl)
@@ -168,20 +182,20 @@ def test_wgmma_prefill_tiles(head_dim, dtype, dev):
         assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-pipe"])
 @pytest.mark.parametrize("scale", [0.37, -0.2, 0.0])
 def test_softmax_scales_on_tensor_cores(impl, scale, dev):
     """The tensor-core tiles take the max of the raw scores and fold the scale into each weight's
     exponent, so a negative scale must flip Q's signs and a zero one (uniform weights over the keys
     a row sees) must not turn a masked key's -inf * 0 into NaN: prefill and decode tiles, masked
     and unmasked stages."""
-    if impl == "wgmma":
+    if impl.startswith("wgmma"):
         needs_wgmma(dev)
     batch = batch_for([70, 1, 3], [200, 150, 9], torch.bfloat16, dev, num_tokens=76)
-    check(batch, torch.bfloat16, impl=impl, softmax_scale=scale)
+    check(tma_ready(batch, impl), torch.bfloat16, impl=impl, softmax_scale=scale)
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe"])
 def test_unmasked_stages_end_where_the_first_row_stops_seeing(impl, dev):
     """Stages that every row of a tile sees whole skip the causal mask. Each sequence here puts a
     tile's first token one key before, at, or one key after the end of a 64-key wgmma prefill
@@ -196,14 +210,14 @@ def test_unmasked_stages_end_where_the_first_row_stops_seeing(impl, dev):
     check(tma_ready(batch, impl), torch.bfloat16, impl=impl)
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-pipe"])
 def test_a_late_dominant_key_rescales_its_rows(impl, dev):
     """A key 40 times longer than the rest, in a late stage, raises its rows' max far past
     anything before it: fp16 P overflows unless acc and l are rescaled to the new max (prefill and
-    decode tiles)."""
-    if impl == "wgmma":
+    decode tiles; the pipelined tile rescales O only after the previous stage's P V is in)."""
+    if impl.startswith("wgmma"):
         needs_wgmma(dev)
-    batch = batch_for([70, 1], [200, 150], torch.float16, dev)
+    batch = tma_ready(batch_for([70, 1], [200, 150], torch.float16, dev), impl)
     for seq, key in ((0, 150), (1, 100)):
         page = int(batch.block_tables[seq, key // 16])
         batch.k_cache[page, key % 16] *= 40
@@ -212,8 +226,9 @@ def test_a_late_dominant_key_rescales_its_rows(impl, dev):
 
 @pytest.mark.parametrize("page", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("head_dim", [32, 96, 128])
-def test_wgmma_tiles_load_whole_chunks_of_pages_by_tma(page, head_dim, dev):
-    """impl "wgmma-tma": the prefill tiles' K/V come by TMA in chunks of min(page, 64) slots
+@pytest.mark.parametrize("impl", TMA_IMPLS)
+def test_wgmma_tiles_load_whole_chunks_of_pages_by_tma(impl, page, head_dim, dev):
+    """impls "wgmma-tma" and "wgmma-pipe": the prefill tiles' K/V come by TMA in chunks of min(page, 64) slots
     (several pages a 64-key stage, or 64-slot parts of a page). Head dims 32 and 96 sit in rows of
     64 and 128 elements (TMA takes 128-byte aligned bases and strides) whose padding holds NaN: the tensor map
     must zero-fill the dims past head_dim without reading them. Sequences end one slot before, at
@@ -226,20 +241,41 @@ def test_wgmma_tiles_load_whole_chunks_of_pages_by_tma(page, head_dim, dev):
     q_lens = [20, 20, 20, 1, 7]
     kv_lens = [end - 1, end, end + 1, end - 1, end + 1]
     batch = batch_for(q_lens, kv_lens, torch.bfloat16, dev, d=head_dim, page=page, num_tokens=sum(q_lens) + 2)
-    batch = tma_ready(batch, "wgmma-tma")
+    batch = tma_ready(batch, impl)
     for splits in (1, 2):
-        check(batch, torch.bfloat16, num_splits=splits, impl="wgmma-tma")
+        check(batch, torch.bfloat16, num_splits=splits, impl=impl)
 
 
 @pytest.mark.parametrize(("page", "head_dim"), [(1, 64), (3, 64), (24, 64), (48, 64), (96, 64), (16, 96)])
 def test_wgmma_tma_runs_the_cp_async_tiles_where_tma_does_not_apply(page, head_dim, dev):
     """Page sizes that do not split a 64-key stage into whole chunks of at least 8 slots, and
     strides that are not 128-byte multiples (head dim 96 in unpadded rows: 192-byte head stride),
-    run the wgmma kernel with cp.async (what ``chosen_kernel`` says), rightly."""
+    run the wgmma kernel with cp.async (what ``chosen_kernel`` says), rightly, for either TMA impl."""
     needs_wgmma(dev)
     batch = batch_for([40, 1], [130, 70], torch.float16, dev, page=page, d=head_dim)
-    assert cuda.chosen_kernel(*batch.args(), impl="wgmma-tma") == "wgmma"
-    check(batch, torch.float16, impl="wgmma-tma")
+    for impl in TMA_IMPLS:
+        assert cuda.chosen_kernel(*batch.args(), impl=impl) == "wgmma"
+        check(batch, torch.float16, impl=impl)
+
+
+@pytest.mark.parametrize("page", [16, 128])
+def test_wgmma_pipe_cycles_its_three_stage_buffers(page, dev):
+    """The pipelined tile over 5 to 8 stages: each of its three buffers is filled twice or more (the
+    mbarrier phase flips), each stage's P V is issued a stage late (the last one after the loop),
+    with a dominant key in a late stage so O's deferred rescale matters; with the copies landing as
+    late and as early as the GPU may land them."""
+    from minengine.ops import cuda_emulator
+
+    needs_wgmma(dev)
+    batch = tma_ready(batch_for([40, 1, 20], [460, 300, 400], torch.float16, dev, d=128, page=page), "wgmma-pipe")
+    for seq, key in ((0, 390), (2, 330)):
+        block = int(batch.block_tables[seq, key // page])
+        batch.k_cache[block, key % page] *= 30
+    for splits in (1, 2):
+        check(batch, torch.float16, num_splits=splits, impl="wgmma-pipe")
+    if dev.type == "cpu":
+        with cuda_emulator.cp_async_land_at_issue():
+            check(batch, torch.float16, impl="wgmma-pipe")
 
 
 def test_wgmma_refuses_what_it_cannot_run(dev):
@@ -251,8 +287,9 @@ def test_wgmma_refuses_what_it_cannot_run(dev):
         cuda.paged_attention(*batch.args(), impl="wgmma")
     with pytest.raises(ValueError, match="tensor-core kernel takes fp16 or bf16"):
         cuda.paged_attention(*batch_for([20], [20], torch.float32, dev).args(), impl="wgmma")
-    with pytest.raises(ValueError, match="the wgmma kernel takes head_dim up to 128, not 256"):
-        cuda.chosen_kernel(*batch.args(), impl="wgmma-tma")
+    for impl in TMA_IMPLS:
+        with pytest.raises(ValueError, match="the wgmma kernel takes head_dim up to 128, not 256"):
+            cuda.chosen_kernel(*batch.args(), impl=impl)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the emulator's own checks")
@@ -278,7 +315,7 @@ def test_emulator_fails_a_copy_past_seq_len_or_outside_the_caches(dev):
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe"])
 def test_random_batches(impl, dev):
     if impl.startswith("wgmma"):
         needs_wgmma(dev)
@@ -289,7 +326,7 @@ def test_random_batches(impl, dev):
         kv_lens = [q + rng.choice([0, 1, 3, 20, 90]) for q in q_lens]
         hkv, group = rng.choice([1, 2, 3]), rng.choice([1, 2, 4, 5, 8, 16])
         dims = [32, 48, 64, 96, 128, 160, 256] if impl == "mma" else [32, 48, 64, 96, 128]
-        d, page = rng.choice(dims), rng.choice([8, 16, 32, 128] if impl == "wgmma-tma" else [1, 3, 16, 64])
+        d, page = rng.choice(dims), rng.choice([8, 16, 32, 128] if impl in TMA_IMPLS else [1, 3, 16, 64])
         dtype = rng.choice([torch.float16, torch.bfloat16])
         splits = rng.choice([None, 1, 2, 4, 16])
         case = dict(q_lens=q_lens, kv_lens=kv_lens, hkv=hkv, group=group, d=d, page=page, dtype=dtype, splits=splits)

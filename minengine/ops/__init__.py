@@ -9,8 +9,8 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
   step from the runner's host copy of the metadata, outside the graph for CUDA-graph decode
   steps (GPU, optional import);
 - ``auto``: on CUDA, ``triton``, ``cuda``, ``cuda-wgmma`` (the cuda kernel with Hopper wgmma
-  prefill tiles) or ``cuda-wgmma-tma`` (those tiles loading K/V by TMA) chosen per call shape from
-  the device's committed
+  prefill tiles), ``cuda-wgmma-tma`` (those tiles loading K/V by TMA) or ``cuda-wgmma-pipe`` (the TMA
+  tiles pipelined) chosen per call shape from the device's committed
   tuning table (``tuning.py``; backend name ``tuned``), or ``triton`` where the device has none
   (or ``minengine._C`` is not built); ``torch`` otherwise.
 
@@ -121,8 +121,8 @@ def _tuning_table(device: torch.device) -> dict[str, str] | None:
 
 
 def _tuned_kernels(device: torch.device) -> KernelSet:
-    """Attention from triton, cuda, cuda-wgmma or cuda-wgmma-tma per call shape (the device's table);
-    triton's store and gather."""
+    """Attention from triton, cuda, cuda-wgmma, cuda-wgmma-tma or cuda-wgmma-pipe per call shape (the
+    device's table); triton's store and gather."""
     from minengine.ops import tuning
 
     triton, cuda = _triton_kernels(), _cuda_kernels()
@@ -131,6 +131,7 @@ def _tuned_kernels(device: torch.device) -> KernelSet:
         "cuda": cuda.paged_attention,
         "cuda-wgmma": functools.partial(cuda.paged_attention, impl="wgmma"),
         "cuda-wgmma-tma": functools.partial(cuda.paged_attention, impl="wgmma-tma"),
+        "cuda-wgmma-pipe": functools.partial(cuda.paged_attention, impl="wgmma-pipe"),
     }
     attention = tuning.tuned_attention(_tuning_table(device), choices)
     return KernelSet(attention, triton.store_kv, triton.gather_input_ids)

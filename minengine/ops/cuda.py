@@ -13,7 +13,9 @@ device's tuning table measured it faster (backend ``cuda-wgmma`` of ``tuning.py`
 ``impl="wgmma-tma"`` runs those tiles with their K/V stages loaded by TMA (tensor maps of the
 caches, completion on mbarriers) where whole chunks of pages allow: page_size 8, 16, 32, 64 or a
 multiple of 64, and 128-byte aligned cache bases and strides (elsewhere it runs ``"wgmma"``);
-backend ``cuda-wgmma-tma``.
+backend ``cuda-wgmma-tma``. ``impl="wgmma-pipe"`` runs those TMA tiles pipelined as FlashAttention-3
+does within a warpgroup (each stage's softmax while the previous stage's P V runs; two blocks an
+SM at head dim 128 instead of three), with the same fallback; backend ``cuda-wgmma-pipe``.
 
 After ``use_emulator()``, CPU tensors run through ``cuda_emulator`` (the same sources compiled for
 the CPU with a warp-level emulator): that is how the contract tests cover these kernels without
@@ -45,7 +47,7 @@ except ImportError as exc:  # built only where nvcc was found
 
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _INDEX = {torch.int32: 0, torch.int64: 1}
-IMPLS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3, "wgmma-tma": 4}
+IMPLS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3, "wgmma-tma": 4, "wgmma-pipe": 5}
 
 _emulator = None  # the cuda_emulator module once use_emulator() was called
 
@@ -165,10 +167,10 @@ def chosen_kernel(
     impl: str = "auto",
 ) -> str:
     """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores), "wgmma" (tensor
-    cores, Hopper prefill tiles; only when asked for), "wgmma-tma" (those tiles with TMA loads) or
-    "simt". A kernel asked for that cannot take the inputs raises the ValueError
-    ``paged_attention`` would (for a batch with tokens: an empty one returns before any kernel is
-    chosen)."""
+    cores, Hopper prefill tiles; only when asked for), "wgmma-tma" (those tiles with TMA loads),
+    "wgmma-pipe" (the TMA tiles pipelined) or "simt". A kernel asked for that cannot take the inputs
+    raises the ValueError ``paged_attention`` would (for a batch with tokens: an empty one returns
+    before any kernel is chosen)."""
     _, args = _attention_call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None, q, impl)
     with _on(q.device):  # (wgmma's check reads the current device's compute capability)
         code = _lib(q).attention_impl(**args)
