@@ -826,6 +826,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
       softmax_stage<KEYS / 8, D / 8, true>(p, r, stage * KEYS, t, s, acc, m, l, alpha);
       wgmma_wait<0>();  // the P V: O and its P registers are free
       fence_registers<D / 2>(&acc[0][0]);
+      fence_registers<KEYS / 2>(&s[0][0]);  // P is packed into pf only after the wait
 #pragma unroll
       for (int dn = 0; dn < D / 8; ++dn) {
         acc[dn][0] *= alpha[0], acc[dn][1] *= alpha[0];
