@@ -23,7 +23,8 @@
 //   Split-KV (grid z > 1) gives each split a contiguous range of key tiles; partial (acc, max, sum)
 //   go to an fp32 workspace and merge_splits_kernel combines them (one more launch).
 //   The wgmma variant (impl 3, sm_90a) runs the 64-row tiles on Hopper's warpgroup MMA instead
-//   (wgmma_tile); everything else is shared.
+//   (wgmma_tile); everything else is shared. Impl 4 loads their K/V stages by TMA, impl 5 also
+//   pipelines them (a stage's softmax under the previous stage's P V).
 //
 // CUDA cores (fp32, or unaligned K/V): one block per (query token, query head), 4 warps; each warp
 // walks every 4th visible key with its lanes splitting the head dim, then the warps merge.
@@ -183,8 +184,8 @@ template <int D> struct MmaShape {
 };
 
 // The wgmma prefill tile (sm_90a, D <= 128): 64 keys per stage, double-buffered (three buffers when
-// pipelined: a stage's V is read while the next stage's K is and the one after lands), K and V stages
-// in 128B-swizzled atoms, plus up to 1 KB to align the first atom to 1024 bytes.
+// pipelined: stage t - 1's V is read while t's K is and t + 1 lands), K and V stages in
+// 128B-swizzled atoms, plus up to 1 KB to align the first atom to 1024 bytes.
 constexpr int kWgmmaKeys = 64;
 __host__ __device__ constexpr int wgmma_stages(bool pipe) { return pipe ? 3 : 2; }
 

@@ -131,8 +131,8 @@ def test_hopper_tiles_keep_three_blocks_per_sm():
     each (the decode tiles' two stages and the key offsets; the TMA tiles' page ids and mbarriers
     add 80 bytes), of 227. A change that looks cheaper by
     its instruction count can still cost a block per SM here (the unmasked-stage branch did, in the
-    64-row mma.sync tile: 180 registers). The pipelined tiles hold a stage's P beside the next S and
-    take a third stage buffer: two blocks an SM at D 128 (255 registers, 99 KB), three at D 64 (168
+    64-row mma.sync tile: 180 registers). The pipelined tiles hold the previous stage's P beside S and
+    take a third stage buffer: two blocks an SM at D 128 (at most 255 registers, 99 KB), three at D 64 (168
     registers, 51 KB)."""
     spec = importlib.util.spec_from_file_location(
         "compile_report", Path(__file__).resolve().parents[1] / "profiles" / "compile_report.py"
