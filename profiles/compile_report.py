@@ -55,14 +55,19 @@ def readable(mangled: str) -> str:
     return mangled
 
 
-def csrc_report(archs: list[str]) -> list[dict]:
-    """ptxas -v of csrc/paged_attention.cu per target: one row per kernel instantiation."""
+def nvcc() -> str:
+    """nvcc on PATH, else CUDA_HOME's or /usr/local/cuda's."""
     homes = [os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
     found = [Path(h) / "bin" / "nvcc" for h in homes if h and (Path(h) / "bin" / "nvcc").exists()]
-    nvcc = shutil.which("nvcc") or (str(found[0]) if found else "nvcc")
+    return shutil.which("nvcc") or (str(found[0]) if found else "nvcc")
+
+
+def csrc_report(archs: list[str]) -> list[dict]:
+    """ptxas -v of csrc/paged_attention.cu per target: one row per kernel instantiation."""
+    nvcc_path = nvcc()
     rows = []
     for arch in archs:
-        cmd = [nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", f"-I{CSRC}", "-Xptxas", "-v", "-c"]
+        cmd = [nvcc_path, "-std=c++17", "-O3", f"-arch=sm_{arch}", f"-I{CSRC}", "-Xptxas", "-v", "-c"]
         cmd += [str(CSRC / "paged_attention.cu"), "-o", "/dev/null"]
         if arch == "90a":
             cmd.append("-DMINENGINE_SM90A=1")

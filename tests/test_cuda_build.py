@@ -121,6 +121,15 @@ def test_arch_lists_we_take():
     assert "arch=compute_80,code=compute_80" in " ".join(ns["gencode_flags"]("8.0;9.0a"))
 
 
+def _compile_report():
+    spec = importlib.util.spec_from_file_location(
+        "compile_report", Path(__file__).resolve().parents[1] / "profiles" / "compile_report.py"
+    )
+    compile_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_report)
+    return compile_report
+
+
 @pytest.mark.skipif(
     not nvcc_present() or os.environ.get("MINENGINE_BUILD_CUDA") == "0", reason="no nvcc: the extension is optional"
 )
@@ -134,13 +143,7 @@ def test_hopper_tiles_keep_three_blocks_per_sm():
     64-row mma.sync tile: 180 registers). The pipelined tiles hold the previous stage's P beside S and
     take a third stage buffer: two blocks an SM at D 128 (at most 255 registers, 99 KB), three at D 64 (168
     registers, 51 KB)."""
-    spec = importlib.util.spec_from_file_location(
-        "compile_report", Path(__file__).resolve().parents[1] / "profiles" / "compile_report.py"
-    )
-    compile_report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compile_report)
-
-    rows = compile_report.csrc_report(["90a"])
+    rows = _compile_report().csrc_report(["90a"])
     names = {"wgmma bf16 D128", "wgmma-tma bf16 D128", "wgmma-pipe bf16 D128", "wgmma-pipe fp16 D64", "mma fp16 D128"}
     assert names | {"mma bf16 D256"} <= {r["kernel"] for r in rows}
     for r in rows:
@@ -149,3 +152,29 @@ def test_hopper_tiles_keep_three_blocks_per_sm():
             assert r["regs"] <= 255, r
         elif r["kernel"].startswith(("wgmma", "mma")) and not r["kernel"].endswith("D256"):
             assert r["regs"] <= 168, r
+
+
+@pytest.mark.skipif(
+    not nvcc_present() or os.environ.get("MINENGINE_BUILD_CUDA") == "0", reason="no nvcc: the extension is optional"
+)
+def test_pipelined_tile_keeps_its_p_v_in_flight_through_the_softmax(tmp_path):
+    """The SASS of the wgmma-pipe kernels (sm_90a): after issuing a stage's S and the previous
+    stage's P V, the tile waits with one wgmma group still pending (`WARPGROUP.DEPBAR.LE gsb0, 0x1`),
+    so the P V runs through the softmax. The emulator cannot see this (a wait for both groups gives
+    the same results, only slower): a `wgmma_wait<0>` there, or ptxas serializing the groups, fails
+    here. The serial wgmma-tma kernels never wait that way."""
+    from triton_kernels.aot import cuobjdump
+
+    cubin = tmp_path / "paged_attention.cubin"
+    cmd = [_compile_report().nvcc(), "-std=c++17", "-O3", "-arch=sm_90a", "-DMINENGINE_SM90A=1", "-cubin"]
+    cmd += ["-I", str(Path(__file__).resolve().parents[1] / "csrc"), "-o", str(cubin)]
+    subprocess.run(cmd + [str(Path(__file__).resolve().parents[1] / "csrc" / "paged_attention.cu")], check=True)
+    sass = subprocess.run([cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    functions = {f.split("\n", 1)[0].strip(): f for f in sass.split("Function : ")[1:]}
+    pipe = [body for name, body in functions.items() if "attention_mma_kernel" in name and "ELb1ELb1ELb1E" in name]
+    serial = [body for name, body in functions.items() if "attention_mma_kernel" in name and "ELb1ELb1ELb0E" in name]
+    assert len(pipe) == 4 and len(serial) == 4  # fp16 / bf16 x D 64 / 128
+    for body in pipe:
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body
+    for body in serial:
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in body
