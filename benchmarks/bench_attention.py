@@ -193,7 +193,7 @@ def run_case(
             row["cuda_kernel"] = cuda_backend.chosen_kernel(*batch.args())
             if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
                 # the prefill tiles' K/V by cp.async, then by TMA, then by TMA and pipelined
-                for impl in ("wgmma", "wgmma-tma", "wgmma-pipe"):
+                for impl in cuda_backend.WGMMA_IMPLS:
                     run = functools.partial(cuda_backend.paged_attention, *batch.args(), out=out, impl=impl)
                     key = "cuda_" + impl.replace("-", "_")
                     with contextlib.suppress(ValueError):  # a build without 9.0a
@@ -217,9 +217,9 @@ def run_case(
     row["kv_bw_frac"] = row["kv_gbps"] / ceilings["copy_gbps"]
     row["tflops"] = flops / seconds / 1e12
     row["tflops_frac"] = row["tflops"] / ceilings["matmul_tflops"]
-    for other in ("torch", "flashinfer", "flashinfer_pod", "cuda", "cuda_wgmma", "cuda_wgmma_tma", "cuda_wgmma_pipe"):
-        if f"{other}_ms" in row:
-            row[f"speedup_vs_{other}"] = row[f"{other}_ms"] / row["ms"]
+    for key in ("torch_ms", "flashinfer_ms", "flashinfer_pod_ms", *OURS.values()):
+        if key != "ms" and key in row:
+            row[f"speedup_vs_{key.removesuffix('_ms')}"] = row[key] / row["ms"]
     return row
 
 
@@ -530,7 +530,7 @@ def measure_config(
     out = torch.empty_like(batch.q)
     runs = {"triton": lambda b=batch, o=out: triton_kernels.paged_attention(*b.args(), out=o)}
     if cuda_backend.available():
-        for impl in ("auto", "simt") + (("wgmma", "wgmma-tma", "wgmma-pipe") if hopper and d <= 128 else ()):
+        for impl in ("auto", "simt") + (cuda_backend.WGMMA_IMPLS if hopper and d <= 128 else ()):
             name = "cuda" if impl == "auto" else f"cuda-{impl}"
             runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
     checks = {}  # backends whose timed run does not return our layout: what to check instead

@@ -128,8 +128,8 @@ def test_cuda_emulated_logits(impl, checkpoint, sequences):
             return cuda.paged_attention(*args, impl=impl)
 
         kernels = base._replace(paged_attention=attention)
-        tma = impl in ("wgmma-tma", "wgmma-pipe")
-        check_backend(checkpoint, sequences, kernels, "float16", "cpu", 2e-2, page=8 if tma else PAGE)
+        page = 8 if impl in cuda.TMA_IMPLS else PAGE
+        check_backend(checkpoint, sequences, kernels, "float16", "cpu", 2e-2, page=page)
     finally:
         cuda.use_emulator(False)
 
@@ -155,8 +155,7 @@ def test_backend_logits_gpu(backend, checkpoint, sequences):
         kernels = base._replace(paged_attention=functools.partial(cuda.paged_attention, impl=impl))
     else:
         kernels = get_kernels(backend, "cuda")
-    check_backend(
-        checkpoint, sequences, kernels, "float16", "cuda", 2e-2, page=8 if backend.startswith("cuda-wgmma-") else PAGE
-    )
+    page = 8 if backend.removeprefix("cuda-") in cuda.TMA_IMPLS else PAGE
+    check_backend(checkpoint, sequences, kernels, "float16", "cuda", 2e-2, page=page)
     if backend == "flashinfer":  # one plan per step, each from the staged host metadata
         assert kernels.paged_attention.plans == kernels.paged_attention.host_plans == 2

@@ -64,7 +64,7 @@ def test_binding_takes_the_wrappers_keywords():
     if "9.0a" in os.environ.get("MINENGINE_CUDA_ARCHS", "8.0;9.0a") and not torch.cuda.is_available():
         # A 9.0a build knows it holds wgmma machine code, so it asks the device (none here) rather
         # than refusing for the build's sake; either way the refusal comes before any launch.
-        for impl in ("wgmma", "wgmma-tma", "wgmma-pipe"):
+        for impl in cuda.WGMMA_IMPLS:
             with pytest.raises(ValueError, match="wgmma kernel could not read the device's compute capability"):
                 _C.paged_attention(**(args | {"impl": cuda.IMPLS[impl]}))
 

@@ -18,6 +18,7 @@ from test_paged_attention import run_and_check
 
 from minengine import ops
 from minengine.ops import cuda
+from minengine.ops.cuda import TMA_IMPLS
 from minengine.ops.testing import aligned_rows, make_paged_batch
 
 
@@ -56,9 +57,6 @@ def batch_for(q_lens, kv_lens, dtype, device, hq=8, hkv=2, d=64, page=16, **kw):
     return make_paged_batch(
         q_lens, kv_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=dtype, device=device, **kw
     )
-
-
-TMA_IMPLS = ("wgmma-tma", "wgmma-pipe")  # the impls whose prefill tiles load K/V by TMA
 
 
 def tma_ready(batch, impl):

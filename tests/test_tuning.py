@@ -82,6 +82,16 @@ def test_pick_from_rows_drops_a_backend_whose_output_was_nan():
     assert {k: v["backend"] for k, v in picked.items()} == {"decode/bfloat16/128": "cuda"}
 
 
+def test_every_cuda_choice_names_an_impl_of_the_cuda_backend():
+    """The tuned backend runs ``cuda-<impl>`` as the cuda kernel with that impl forced, and the
+    grid times every wgmma impl: the two lists are the same."""
+    from minengine.ops import cuda
+
+    impls = [name.removeprefix("cuda-") for name in tuning.CHOICES if name.startswith("cuda-")]
+    assert impls == list(cuda.WGMMA_IMPLS)
+    assert set(cuda.TMA_IMPLS) <= set(cuda.WGMMA_IMPLS) <= set(cuda.IMPLS)
+
+
 def test_tuned_attention_dispatches_per_call_shape():
     calls = []
     kernels = {name: (lambda *a, _n=name, **k: calls.append(_n)) for name in tuning.CHOICES}

@@ -126,13 +126,10 @@ def _tuned_kernels(device: torch.device) -> KernelSet:
     from minengine.ops import tuning
 
     triton, cuda = _triton_kernels(), _cuda_kernels()
-    choices = {
-        "triton": triton.paged_attention,
-        "cuda": cuda.paged_attention,
-        "cuda-wgmma": functools.partial(cuda.paged_attention, impl="wgmma"),
-        "cuda-wgmma-tma": functools.partial(cuda.paged_attention, impl="wgmma-tma"),
-        "cuda-wgmma-pipe": functools.partial(cuda.paged_attention, impl="wgmma-pipe"),
-    }
+    choices = {"triton": triton.paged_attention, "cuda": cuda.paged_attention}
+    for name in tuning.CHOICES:  # cuda-<impl>: the cuda kernel with that impl forced
+        if name.startswith("cuda-"):
+            choices[name] = functools.partial(cuda.paged_attention, impl=name.removeprefix("cuda-"))
     attention = tuning.tuned_attention(_tuning_table(device), choices)
     return KernelSet(attention, triton.store_kv, triton.gather_input_ids)
 

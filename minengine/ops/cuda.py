@@ -48,6 +48,8 @@ except ImportError as exc:  # built only where nvcc was found
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _INDEX = {torch.int32: 0, torch.int64: 1}
 IMPLS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3, "wgmma-tma": 4, "wgmma-pipe": 5}
+WGMMA_IMPLS = ("wgmma", "wgmma-tma", "wgmma-pipe")  # the Hopper prefill tiles (sm_90, head_dim <= 128)
+TMA_IMPLS = ("wgmma-tma", "wgmma-pipe")  # those loading K/V by TMA where the caches allow
 
 _emulator = None  # the cuda_emulator module once use_emulator() was called
 
