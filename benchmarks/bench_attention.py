@@ -223,13 +223,41 @@ def run_case(
     return row
 
 
+def time_block_orders(row: dict, kept: tuple, bench: Callable) -> None:
+    """Each of our backends that has a time in the row, in its default block order (heavy-first,
+    timed again) and in-order (the order before it), side by side, into ``row["block_orders"]``."""
+    import triton_kernels
+    from minengine.ops import cuda as cuda_backend
+    from triton_kernels.contract import BLOCK_ORDERS
+
+    batch, out, _, fp64_error, _ = kept
+    calls = {"triton": triton_kernels.paged_attention, "cuda": cuda_backend.paged_attention}
+    for impl in cuda_backend.WGMMA_IMPLS:
+        calls[f"cuda-{impl}"] = functools.partial(cuda_backend.paged_attention, impl=impl)
+    row["block_orders"] = {}
+    for backend, call in calls.items():
+        if OURS[backend] not in row:
+            continue
+        runs = {order: functools.partial(call, *batch.args(), out=out, block_order=order) for order in BLOCK_ORDERS}
+        try:  # a failure is reported; the other backends go on
+            row["block_orders"][backend] = {
+                f"{order.replace('-', '_')}_{what}": value
+                for order, run in runs.items()
+                for what, value in (("err", fp64_error(run)), ("ms", bench(run)))
+            }
+        except Exception as exc:  # noqa: BLE001
+            row["block_orders"][backend] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+
+
 def time_variants(row: dict, kept: tuple, bench: Callable) -> None:
     """The Triton tile configs of ``triton_variants`` on a case's inputs, beside the picked one timed
     again (``variants_pick_ms``), into ``row["variants"]``. Run after every case's own row, so a
-    time limit cuts variants, not the cases, the CUDA columns or FlashInfer's."""
+    time limit cuts variants, not the cases, the CUDA columns or FlashInfer's; the block orders
+    (``time_block_orders``) first."""
     import triton_kernels
 
     batch, out, ours, fp64_error, variants = kept
+    time_block_orders(row, kept, bench)
     row["variants"] = {}
     row["variants_pick_ms"] = bench(ours)
     for name, cfg in variants.items():
@@ -700,6 +728,25 @@ def markdown(report: dict) -> str:
                 )
             if "variants_error" in r:
                 lines.append(f"| {r['case']} | (the rest) | - | failed: {r['variants_error'][:80]} | - | - |")
+    if any(r.get("block_orders") for r in report["rows"]):
+        lines += [
+            "",
+            "Block orders side by side (--triton-variants): heavy-first (the default: a sequence's tiles last first, "
+            "KV heads interleaved) against in-order (the order before it):",
+            "",
+            "| case | backend | heavy-first ms | in-order ms | in-order/heavy-first | err (heavy-first, in-order) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in report["rows"]:
+            for backend, v in r.get("block_orders", {}).items():
+                if "error" in v:
+                    lines.append(f"| {r['case']} | {backend} | failed: {v['error'][:80]} | - | - | - |")
+                    continue
+                heavy, before = v["heavy_first_ms"], v["in_order_ms"]
+                lines.append(
+                    f"| {r['case']} | {backend} | {heavy:.4f} | {before:.4f} | {before / heavy:.2f} | "
+                    f"{v['heavy_first_err']:.1e}, {v['in_order_err']:.1e} |"
+                )
     lines += ["", "Targets:"] + [f"- {t}" for t in report["targets"]]
     if report.get("tuning"):
         lines += ["", f"Tuning table: {report['tuning']}"]
@@ -813,8 +860,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--triton-variants",
         action="store_true",
-        help="on each one-launch case, also time the Triton tile configs of triton_variants() beside the picked one "
-        "(timed again), once every case has its own row",
+        help="on each one-launch case, also time our backends with block_order in-order beside heavy-first, then "
+        "the Triton tile configs of triton_variants() beside the picked one (timed again), once every case has its "
+        "own row",
     )
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)

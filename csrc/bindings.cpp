@@ -27,9 +27,9 @@ PYBIND11_MODULE(_C, m) {
     a.sv_p = i("sv_p"), a.sv_s = i("sv_s"), a.sv_h = i("sv_h"), a.so_t = i("so_t"), a.so_h = i("so_h");
     a.sbt = i("sbt");
     a.softmax_scale = kw["softmax_scale"].cast<double>();
-    a.dtype = kw["dtype"].cast<int>(), a.impl = kw["impl"].cast<int>();
+    a.dtype = kw["dtype"].cast<int>(), a.impl = kw["impl"].cast<int>(), a.block_order = kw["block_order"].cast<int>();
     a.stream = p("stream");
-    if (kw.size() != 33) throw py::type_error("paged_attention takes exactly the 33 PagedAttentionArgs keywords");
+    if (kw.size() != 34) throw py::type_error("paged_attention takes exactly the 34 PagedAttentionArgs keywords");
     return a;
   };
   m.def("paged_attention", [attention_args](py::kwargs kw) { paged_attention(attention_args(kw)); });

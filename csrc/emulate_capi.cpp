@@ -1,5 +1,6 @@
 // C entry points of the CPU-emulated kernels (see emulate.h), loaded with ctypes by
 // minengine/ops/cuda_emulator.py. Built only there, with -DMINENGINE_EMULATE; not part of _C.
+#include <algorithm>
 #include <cstring>
 #include <exception>
 
@@ -33,6 +34,15 @@ int me_attention_impl(const minengine::PagedAttentionArgs* args, char* error, in
   int impl = -1;
   const int rc = guarded([&] { impl = minengine::attention_impl(*args); }, error, error_len);
   return rc ? -1 : impl;
+}
+
+// attention_block_order into out (capacity ints); returns how many it has (-1 on an error).
+int64_t me_attention_block_order(const minengine::PagedAttentionArgs* args, int32_t* out, int64_t capacity,
+                                 char* error, int error_len) {
+  std::vector<int32_t> order;
+  if (guarded([&] { order = minengine::attention_block_order(*args); }, error, error_len)) return -1;
+  std::copy_n(order.begin(), std::min<int64_t>(capacity, static_cast<int64_t>(order.size())), out);
+  return static_cast<int64_t>(order.size());
 }
 
 int me_store_kv(const minengine::StoreKVArgs* args, char* error, int error_len) {

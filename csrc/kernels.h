@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#ifdef MINENGINE_EMULATE
+#include <vector>
+#endif
 
 namespace minengine {
 
@@ -24,12 +27,17 @@ enum AttentionImpl : int {
   kAttentionWgmmaPipe = 5
 };
 
+// block_order: kBlockOrderHeavyFirst starts each sequence's prefill tiles last (most keys) first,
+// with up to 4 KV heads' blocks interleaved; kBlockOrderInOrder, the order before it (first tile
+// first, one KV head after another), for benchmarks. Either order gives the same output.
+enum BlockOrder : int { kBlockOrderHeavyFirst = 0, kBlockOrderInOrder = 1 };
+
 struct PagedAttentionArgs {
   uintptr_t q, k_cache, v_cache, out, block_tables, seq_lens, cu_seqlens_q, part_acc, part_ml;
   int64_t num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, page_size, num_pages, max_seqlen_q, num_splits;
   int64_t sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, so_t, so_h, sbt;
   double softmax_scale;
-  int dtype, impl;
+  int dtype, impl, block_order;
   uintptr_t stream;
 };
 
@@ -53,6 +61,12 @@ void paged_attention(const PagedAttentionArgs& args);
 // kAttentionWgmmaTma or kAttentionWgmmaPipe);
 // std::invalid_argument, as from paged_attention, where the kernel asked for cannot take them.
 int attention_impl(const PagedAttentionArgs& args);
+#ifdef MINENGINE_EMULATE
+// The tensor-core kernel's blocks of split 0 in launch order (grid x fastest), three ints each: KV
+// head, sequence and tile as block_work says (tests; the emulator only, where cu_seqlens_q is host
+// memory).
+std::vector<int32_t> attention_block_order(const PagedAttentionArgs& args);
+#endif
 void store_kv(const StoreKVArgs& args);
 void gather_input_ids(const GatherArgs& args);
 

@@ -19,7 +19,8 @@
 //   splitting the keys 4 ways and merging through shared memory; the last block of each (KV head,
 //   split) zeroes its share of the padding rows past cu_seqlens_q[-1]. Prefill tiles find their
 //   sequence by binary search: sequence b owns blocks [cu[b] * group / 64 + b, cu[b + 1] * group / 64
-//   + b + 1), so the grid needs no device data.
+//   + b + 1), so the grid needs no device data. By default (block_order heavy-first) a sequence's
+//   prefill tiles start last tile first and grid x interleaves up to 4 KV heads (block_kv_head).
 //   Split-KV (grid z > 1) gives each split a contiguous range of key tiles; partial (acc, max, sum)
 //   go to an fp32 workspace and merge_splits_kernel combines them (one more launch).
 //   The wgmma variant (impl 3, sm_90a) runs the 64-row tiles on Hopper's warpgroup MMA instead
@@ -168,11 +169,27 @@ struct MmaParams {
   const int32_t* seq_lens;
   const int32_t* cu;
   int num_seqs, num_tokens, num_q_heads, group, head_dim, num_splits, prefill_blocks;
+  int head_shift;    // grid x interleaves the blocks of 2^head_shift KV heads (block_kv_head)
+  bool heavy_first;  // a sequence's prefill tiles run last tile first (attention_mma_kernel)
   FastDiv page;  // page_size
   int64_t sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, so_t, so_h, sbt;
   float scale_log2;  // |softmax_scale| * log2(e)
   uint32_t q_sign;   // 0x80008000 for a negative softmax_scale: Q's signs flipped (exact) as it loads
 };
+
+// Block order. Blocks start in the order of their linear index (grid x fastest), so the order of
+// the grid is the order the SMs get work in. Grid x holds one KV head's blocks (its sequences'
+// prefill tiles, then one decode tile per sequence, then the padding block) for 2^head_shift KV
+// heads interleaved: x = i << head_shift | (kv head & (2^head_shift - 1)), y = kv head >> head_shift.
+// With heavy_first, a sequence's prefill tiles go last tile first: the causal tiles that see the
+// most keys start first and the lightest ones fill the end of the launch, where an SM would
+// otherwise wait for one long tile (FlashAttention-2 reverses causal query blocks for the same
+// reason); interleaving heads spreads each tile index over several heads before the next, lighter
+// one, while keeping the blocks that read one head's K/V close in time (L2).
+__host__ __device__ __forceinline__ int kv_head_of(const MmaParams& p, unsigned x, unsigned y) {
+  return static_cast<int>((y << p.head_shift) | (x & ((1u << p.head_shift) - 1u)));
+}
+__device__ __forceinline__ int block_kv_head(const MmaParams& p) { return kv_head_of(p, blockIdx.x, blockIdx.y); }
 
 // Tile shapes for a head dim padded to D (64, 128 or 256): keys per stage and pipeline depth of
 // the prefill (4 warps x 16 rows) and decode (16 rows, 4 warps along keys) tiles, chosen so a
@@ -231,7 +248,7 @@ struct TileRows {
 // False when the tile is past the sequence's rows (the whole block returns).
 template <int BM, int KEYS>
 __device__ __forceinline__ bool tile_rows(const MmaParams& p, int seq, int tile, int wm, int g, TileRows& r) {
-  const int kv_head = blockIdx.y, split = blockIdx.z;
+  const int kv_head = block_kv_head(p), split = blockIdx.z;
   r.q_start = p.cu[seq];
   const int q_len = p.cu[seq + 1] - r.q_start;
   r.n_rows = q_len * p.group, r.row0 = tile * BM;
@@ -332,7 +349,7 @@ __device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int64_t*
   const int c = threadIdx.x % CHUNKS, row0 = threadIdx.x / CHUNKS;
   const bool in_dim = c * 8 < p.head_dim;
   if (!ZERO_PAD && !in_dim) return;
-  const int64_t kv_head = blockIdx.y;
+  const int64_t kv_head = block_kv_head(p);
   const T* k_head = static_cast<const T*>(p.k_cache) + kv_head * p.sk_h + c * 8;
   const T* v_head = static_cast<const T*>(p.v_cache) + kv_head * p.sv_h + c * 8;
   const longlong2* pairs = reinterpret_cast<const longlong2*>(offsets);
@@ -456,7 +473,7 @@ __device__ __forceinline__ void store_rows(const MmaParams& p, const TileRows& r
     // The row's token and head again, as tile_rows found them (wm = warp: these tiles' warps hold
     // whole rows), rather than kept in registers through the loop.
     const int row = r.row0 + static_cast<int>(threadIdx.x >> 5) * 16 + static_cast<int>(threadIdx.x & 31) / 4 + 8 * i;
-    const int tok = r.q_start + row / p.group, head = static_cast<int>(blockIdx.y) * p.group + row % p.group;
+    const int tok = r.q_start + row / p.group, head = block_kv_head(p) * p.group + row % p.group;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     const int64_t w = workspace_row(p, tok, head);
     T* o = out + static_cast<int64_t>(tok) * p.so_t + static_cast<int64_t>(head) * p.so_h;
@@ -621,7 +638,7 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t
   }
   __syncthreads();
   T* out = static_cast<T*>(p.out);
-  const int kv_head = blockIdx.y;
+  const int kv_head = block_kv_head(p);
   for (int idx = threadIdx.x; idx < 16 * p.head_dim; idx += kThreads) {
     const int rr = idx / p.head_dim, d = idx % p.head_dim, row = r.row0 + rr;
     if (row >= r.n_rows) continue;
@@ -684,7 +701,7 @@ template <typename T, int D>
 __device__ __forceinline__ void issue_tma_chunks(const MmaParams& p, const int32_t* pages, T* ks, T* vs, uint64_t* bar,
                                                  int stage) {
   constexpr int KEYS = kWgmmaKeys, WARPS = kThreads / 32;
-  const int rows = p.tma_rows, kv_head = blockIdx.y;
+  const int rows = p.tma_rows, kv_head = block_kv_head(p);
   const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
   const bool leader = elect_one();
   uint32_t bytes = 0;
@@ -872,8 +889,35 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
 }
 
 // A sequence runs as decode tiles when all its rows fit one 16-row tile.
-__device__ __forceinline__ bool decode_kind(const MmaParams& p, int seq) {
+__host__ __device__ __forceinline__ bool decode_kind(const MmaParams& p, int seq) {
   return (p.cu[seq + 1] - p.cu[seq]) * p.group <= 16;
+}
+
+// What block x of a KV head's range does: the prefill tile `tile` of sequence `seq`, the decode
+// tile of `seq` (tile -1), the padding rows (seq num_seqs) or nothing (seq -1). Blocks [0,
+// prefill_blocks) are prefill tiles, sequence b owning [first, last] = [cu[b] * group / 64 + b,
+// cu[b + 1] * group / 64 + b] (the ones past its rows and a decode's return); then one decode
+// block per sequence; then the padding block.
+struct BlockWork {
+  int seq, tile;
+};
+__host__ __device__ __forceinline__ BlockWork block_work(const MmaParams& p, unsigned x) {
+  const int bid = static_cast<int>(x >> p.head_shift);  // x without the KV head's bits
+  if (bid < p.prefill_blocks) {
+    int lo = 0, hi = p.num_seqs - 1;  // the last b with first(b) <= bid (strictly increasing in b)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (static_cast<int64_t>(p.cu[mid]) * p.group / 64 + mid <= bid) lo = mid; else hi = mid - 1;
+    }
+    const int last = static_cast<int>(static_cast<int64_t>(p.cu[lo + 1]) * p.group / 64) + lo;
+    // (bid > last: past the last sequence, in the padding tokens' share of the range)
+    if (bid > last || decode_kind(p, lo)) return {-1, 0};
+    const int first = static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group / 64) + lo;
+    return {lo, p.heavy_first ? last - bid : bid - first};
+  }
+  const int seq = bid - p.prefill_blocks;
+  if (seq < p.num_seqs) return {decode_kind(p, seq) ? seq : -1, -1};
+  return {p.num_seqs, 0};
 }
 
 // WG: prefill tiles on wgmma (sm_90a, D <= 128) instead of mma.sync, TMA: their K/V by TMA where
@@ -887,26 +931,16 @@ __global__ void __launch_bounds__(kThreads, WG ? (PIPE ? (D > 64 ? 2 : 3) : (D >
   using S = MmaShape<D>;
   constexpr size_t offsets_at = mma_offsets_at<T, D, WG, PIPE>();
   int64_t* offsets = reinterpret_cast<int64_t*>(smem + offsets_at);
-  const int bid = blockIdx.x;
-  if (bid < p.prefill_blocks) {
-    // The last b with cu[b] * group / 64 + b <= bid (strictly increasing in b).
-    int lo = 0, hi = p.num_seqs - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (static_cast<int64_t>(p.cu[mid]) * p.group / 64 + mid <= bid) lo = mid; else hi = mid - 1;
-    }
-    if (decode_kind(p, lo)) return;
-    const int tile = bid - static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group / 64) - lo;
-    if constexpr (WG) {
-      wgmma_tile<T, D, TMA, PIPE>(p, smem, offsets, lo, tile);
+  const BlockWork w = block_work(p, blockIdx.x);
+  if (w.seq < 0) return;
+  if (w.seq < p.num_seqs) {
+    if (w.tile < 0) {
+      mma_tile<T, D, 1, 4, S::kDecodeKeys, S::kDecodeStages>(p, smem, offsets, w.seq, 0);
+    } else if constexpr (WG) {
+      wgmma_tile<T, D, TMA, PIPE>(p, smem, offsets, w.seq, w.tile);
     } else {
-      mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, offsets, lo, tile);
+      mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, offsets, w.seq, w.tile);
     }
-    return;
-  }
-  const int seq = bid - p.prefill_blocks;
-  if (seq < p.num_seqs) {
-    if (decode_kind(p, seq)) mma_tile<T, D, 1, 4, S::kDecodeKeys, S::kDecodeStages>(p, smem, offsets, seq, 0);
     return;
   }
   // Padding rows past cu[num_seqs] are zeros: the last block of each (KV head, split) writes its KV
@@ -916,7 +950,7 @@ __global__ void __launch_bounds__(kThreads, WG ? (PIPE ? (D > 64 ? 2 : 3) : (D >
   const int64_t tokens = first < p.num_tokens ? (p.num_tokens - first + p.num_splits - 1) / p.num_splits : 0;
   for (int64_t i = threadIdx.x; i < tokens * per_token; i += kThreads) {
     const int64_t token = first + (i / per_token) * p.num_splits;
-    const int64_t h = static_cast<int64_t>(blockIdx.y) * p.group + (i % per_token) / p.head_dim;
+    const int64_t h = static_cast<int64_t>(block_kv_head(p)) * p.group + (i % per_token) / p.head_dim;
     out[token * p.so_t + h * p.so_h + i % p.head_dim] = from_float<T>(0.f);
   }
 }
@@ -1086,6 +1120,17 @@ int attention_impl(const PagedAttentionArgs& a) {
 
 namespace {
 
+// p.prefill_blocks and the block order, from num_seqs, num_tokens, group and max_seqlen_q.
+void set_block_order(MmaParams& p, const PagedAttentionArgs& a) {
+  // Prefill tiles only when some sequence may have more than 16 rows (max_seqlen_q is a host bound).
+  p.prefill_blocks = a.num_seqs > 0 && a.max_seqlen_q * p.group > 16
+                         ? static_cast<int>(a.num_tokens * p.group / 64 + a.num_seqs)
+                         : 0;
+  // Heavy first: up to 4 KV heads interleaved (as many as divide num_kv_heads).
+  p.heavy_first = a.block_order == kBlockOrderHeavyFirst;
+  p.head_shift = p.heavy_first ? (a.num_kv_heads % 4 == 0 ? 2 : a.num_kv_heads % 2 == 0 ? 1 : 0) : 0;
+}
+
 void launch_simt(const PagedAttentionArgs& a, const FastDiv& page, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_tokens), static_cast<unsigned>(a.num_q_heads));
   const int group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
@@ -1107,8 +1152,8 @@ void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_
   auto kernel = attention_mma_kernel<T, D, WG, TMA, PIPE>;
   constexpr size_t smem = mma_smem_bytes<T, D, WG, TMA, PIPE>();
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
-  const dim3 grid(static_cast<unsigned>(p.prefill_blocks + a.num_seqs + 1), static_cast<unsigned>(a.num_kv_heads),
-                  static_cast<unsigned>(a.num_splits));
+  const dim3 grid(static_cast<unsigned>((p.prefill_blocks + a.num_seqs + 1) << p.head_shift),
+                  static_cast<unsigned>(a.num_kv_heads >> p.head_shift), static_cast<unsigned>(a.num_splits));
   ME_LAUNCH(kernel, grid, dim3(kThreads), smem, stream, p);
   check_launch("paged_attention (tensor cores)");
   if (a.num_splits > 1) {
@@ -1178,10 +1223,7 @@ void paged_attention(const PagedAttentionArgs& a) {
   p.head_dim = static_cast<int>(a.head_dim);
   p.page = page;
   p.num_splits = static_cast<int>(a.num_splits);
-  // Prefill tiles only when some sequence may have more than 16 rows (max_seqlen_q is a host bound).
-  p.prefill_blocks = a.num_seqs > 0 && a.max_seqlen_q * p.group > 16
-                         ? static_cast<int>(a.num_tokens * p.group / 64 + a.num_seqs)
-                         : 0;
+  set_block_order(p, a);
   p.sq_t = a.sq_t, p.sq_h = a.sq_h, p.sk_p = a.sk_p, p.sk_s = a.sk_s, p.sk_h = a.sk_h;
   p.sv_p = a.sv_p, p.sv_s = a.sv_s, p.sv_h = a.sv_h, p.so_t = a.so_t, p.so_h = a.so_h, p.sbt = a.sbt;
   p.scale_log2 = static_cast<float>(std::fabs(a.softmax_scale)) * kLog2e;
@@ -1195,5 +1237,25 @@ void paged_attention(const PagedAttentionArgs& a) {
   if (a.dtype == kFloat16) launch_mma<__half>(a, p, impl, stream);
   else launch_mma<__nv_bfloat16>(a, p, impl, stream);
 }
+
+#ifdef MINENGINE_EMULATE
+std::vector<int32_t> attention_block_order(const PagedAttentionArgs& a) {
+  if (attention_impl(a) == kAttentionSimt) throw std::invalid_argument("the CUDA-core kernel has no block order");
+  MmaParams p{};
+  p.cu = reinterpret_cast<const int32_t*>(a.cu_seqlens_q);
+  p.num_seqs = static_cast<int>(a.num_seqs);
+  p.group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
+  set_block_order(p, a);
+  const unsigned nx = static_cast<unsigned>((p.prefill_blocks + a.num_seqs + 1) << p.head_shift);
+  std::vector<int32_t> order;
+  for (unsigned y = 0; y < static_cast<unsigned>(a.num_kv_heads >> p.head_shift); ++y) {
+    for (unsigned x = 0; x < nx; ++x) {
+      const BlockWork w = block_work(p, x);
+      order.insert(order.end(), {kv_head_of(p, x, y), w.seq, w.tile});
+    }
+  }
+  return order;
+}
+#endif
 
 }  // namespace minengine

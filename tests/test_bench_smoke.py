@@ -35,6 +35,11 @@ def test_bench_attention_smoke(tmp_path):
         assert row["variants"] and row["triton_config"] not in [v["config"] for v in row["variants"].values()]
         assert all(v["ms"] > 0 and v["rel_err_vs_fp64"] < 1.6e-2 for v in row["variants"].values()), row
     assert "| d | 2-stages |" in (tmp_path / "attention_smoke.md").read_text()
+    for row in report["rows"][:4]:  # and our backends' block orders (on CPU, Triton's)
+        orders = row["block_orders"]["triton"]
+        assert orders["heavy_first_ms"] > 0 and orders["in_order_ms"] > 0, orders
+        assert orders["heavy_first_err"] < 1.6e-2 and orders["in_order_err"] < 1.6e-2, orders
+    assert "| d | triton |" in (tmp_path / "attention_smoke.md").read_text()
     for row in report["rows"]:
         assert row["ms"] > 0 and row["kv_gbps"] > 0
         if "rel_err_vs_fp64" in row:

@@ -123,6 +123,36 @@ def test_prefill_and_decode_tiles_in_one_launch(num_splits, dtype, dev):
     assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
 
 
+@pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8, 12])
+def test_block_order(hkv, dev):
+    """The tensor-core kernel's blocks in launch order (grid x fastest), as its own block_work maps
+    them (the emulator's attention_block_order): every prefill tile, decode tile and padding block
+    once per KV head; heavy-first, a sequence's tiles last first with KV heads interleaved; in-order,
+    as before. Padding tokens make blocks past the last sequence, which must do nothing."""
+    from test_paged_attention import block_order_properties
+
+    from minengine.ops import cuda_emulator
+
+    if dev.type == "cuda":
+        pytest.skip("reads the order through the emulator's block_work")
+    q_lens, kv_lens = [1, 70, 1, 0, 2, 33, 130], [100, 90, 5, 7, 40, 33, 200]
+    group = 2
+    batch = batch_for(q_lens, kv_lens, torch.bfloat16, dev, hq=group * hkv, hkv=hkv, num_tokens=sum(q_lens) + 40)
+    prefill = {(b, t) for b, q in enumerate(q_lens) if q * group > 16 for t in range(-(-q * group // 64))}
+    decode = {(b, -1) for b, q in enumerate(q_lens) if q * group <= 16}
+    for block_order in (0, 1):
+        _, args = cuda._attention_call(*batch.args(), None, batch.q, "auto")
+        order = [tuple(b) for b in cuda_emulator.attention_block_order(**args | {"block_order": block_order}).tolist()]
+        working = [b for b in order if b[1] >= 0]
+        expected = {(h, *w) for h in range(hkv) for w in prefill | decode | {(len(q_lens), 0)}}
+        assert sorted(working) == sorted(expected)
+        tiles = [(h, b, t * 64 if t >= 0 else -1) for h, b, t in working if b < len(q_lens)]
+        block_order_properties([b for b in tiles if b[2] >= 0], block_order == 0, hkv)
+        if block_order == 0:  # the sequence with the most rows starts with its heaviest (last) tile
+            first = next(b for b in working if b[1] == 6)
+            assert first == (0, 6, -(-130 * group // 64) - 1)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_every_tile_shape_over_several_stages(head_dim, dev):
     """Each head-dim instantiation, prefill and decode tiles alike, walks several K/V stages

@@ -8,7 +8,9 @@ outputs are poisoned with NaN before each call, so an unwritten element fails.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import os
 import random
 
 import numpy as np
@@ -207,6 +209,78 @@ def test_random_batches(device, kernels):
         hq = hkv * rng.choice([1, 3, 4])
         batch = batch_for(q, kv, dtype, device, hq=hq, hkv=hkv, d=rng.choice([32, 48, 64]), page=rng.randint(1, 9))
         run_and_check(batch, dtype, num_splits=rng.choice([None, 1, 2]), kernels=kernels)
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8])
+def test_block_orders_give_the_same_output(hkv, device, kernels):
+    """The order blocks start in changes no output bit: heavy-first (the default) and in-order on a
+    batch of chunks, a fresh prompt, decodes, an empty entry and padding rows, split and not."""
+    rng = random.Random()
+    dtype = rng.choice([torch.float16, torch.bfloat16])
+    q, kv = [37, 1, 0, 20, 1], [60, 9, 4, 20, 33]
+    batch = batch_for(q, kv, dtype, device, hq=hkv * rng.choice([1, 2, 3]), hkv=hkv, d=32, page=16, num_tokens=62)
+    for num_splits in (1, 2):
+        outs = [
+            run_and_check(batch, dtype, kernels=kernels, num_splits=num_splits, block_order=order)
+            for order in ("heavy-first", "in-order")
+        ]
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("order", ["", "heavy_first", None, 0])
+def test_bad_block_order_raises(order, device, kernels):
+    batch = batch_for([3], [5], torch.float16, device)
+    with pytest.raises(ValueError, match=r"block_order is .*; allowed: heavy-first, in-order"):
+        kernels.paged_attention(*batch.args(), block_order=order)
+
+
+def block_order_properties(order: list[tuple[int, int, int]], heavy_first: bool, num_kv_heads: int) -> None:
+    """Checks a launch order, (KV head, sequence, first query row of the block) per block that does
+    work: each block once; heavy-first, a (head, sequence)'s blocks last first and the first blocks
+    interleaving as many KV heads as divide num_kv_heads up to 4; in-order, first first, one KV
+    head after another."""
+    assert len(set(order)) == len(order), "a block launched twice"
+    for (head, seq), rows in itertools.groupby(sorted(order, key=lambda b: b[:2]), key=lambda b: b[:2]):
+        rows = [r for h, b, r in order if (h, b) == (head, seq)]
+        assert rows == sorted(rows, reverse=heavy_first), (head, seq, rows)
+    heads = [h for h, _, _ in order]
+    if heavy_first:
+        group = next(g for g in (4, 2, 1) if num_kv_heads % g == 0)
+        assert heads[:group] == list(range(group))
+        assert all(h // group == heads[i - i % group] // group for i, h in enumerate(heads[: group * 3]))
+    else:
+        assert heads == sorted(heads)
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8])
+def test_triton_block_order(hkv, monkeypatch):
+    """The Triton kernel's programs in launch order: the order of their linear ids (axis 0 fastest),
+    which the GPU starts them in (the interpreter runs axis 0 outermost: sorted here)."""
+    from triton.runtime import interpreter
+
+    from triton_kernels import attention
+
+    if not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("reads the launch order through the interpreter")
+    for block_order in ("heavy-first", "in-order"):
+        calls = []
+        real = attention._attend_block
+
+        def spy(*args, calls=calls, real=real):
+            (x, y, z), (nx, ny, _) = interpreter.interpreter_builder.grid_idx, interpreter.interpreter_builder.grid_dim
+            calls.append((x + nx * (y + ny * z), int(args[11]), int(args[7]), int(args[8])))  # kv_head, seq, tok0
+            return real(*args)
+
+        monkeypatch.setattr(attention, "_attend_block", spy)
+        batch = batch_for([37, 1, 0, 20, 1], [60, 9, 4, 20, 33], torch.float16, "cpu", hq=2 * hkv, hkv=hkv, d=32)
+        triton_kernels.paged_attention(*batch.args(), block_order=block_order)
+        monkeypatch.undo()
+        order = [call[1:] for call in sorted(calls)]
+        block_q = attention.pick_config(37, 2, 32, torch.float16, True).tokens(2)[0]
+        cu = batch.cu_seqlens_q.tolist()
+        expected = {(h, b, t) for h in range(hkv) for b in range(5) for t in range(cu[b], cu[b + 1], block_q)}
+        assert set(order) == expected  # (no padding rows in this batch)
+        block_order_properties(order, block_order == "heavy-first", hkv)
 
 
 def test_triton_matches_torch_backend(device):

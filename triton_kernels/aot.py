@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 from triton_kernels._common import FP_FUSION
-from triton_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, pick_config
+from triton_kernels.attention import _merge_splits_kernel, _paged_attention_kernel, block_order_params, pick_config
 from triton_kernels.input_ids import _gather_input_ids_kernel
 from triton_kernels.kv_cache import _store_kv_kernel
 from triton_kernels.layers import _rms_norm_kernel, _rotary_kernel, _silu_and_mul_kernel, norm_warps
@@ -76,11 +76,13 @@ def compile_attention(
     config=None,
     same_kv_strides: bool = True,
     q_sign: int = 1,
+    block_order: str = "heavy-first",
 ):
     """The attention kernel as the launcher configures it for this call shape (on a device that
     gives a program ``shared_memory`` bytes), or with the tile shapes ``config`` (an
     ``AttentionConfig``) instead; ``same_kv_strides`` and ``q_sign`` as the launcher sets them for
-    K and V caches of other strides and for a negative (-1) or zero (0) softmax scale."""
+    K and V caches of other strides and for a negative (-1) or zero (0) softmax scale, ``block_order``
+    as ``paged_attention``'s."""
     cfg = config or pick_config(max_seqlen_q, group, head_dim, dtype, interpret=False, shared_memory=shared_memory)
     elem = "*" + TRITON_TYPES[dtype]
     types = dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), elem)
@@ -105,6 +107,7 @@ def compile_attention(
         SAME_KV_STRIDES=same_kv_strides,
         Q_SIGN=q_sign,
     )
+    constexprs["HEAD_SHIFT"], constexprs["HEAVY_FIRST"] = block_order_params(block_order, num_kv_heads)
     compiled = compile_for_target(
         _paged_attention_kernel, types, constexprs, arch, num_warps=cfg.num_warps, num_stages=cfg.num_stages
     )

@@ -3,7 +3,8 @@
 Contract::
 
     paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                    softmax_scale=None, out=None, *, num_splits=None) -> Tensor
+                    softmax_scale=None, out=None, *, num_splits=None, config=None,
+                    block_order="heavy-first") -> Tensor
 
     q             [num_tokens, Hq, D]           fp16 / bf16 / fp32; last dim contiguous
     k_cache       [num_pages, page_size, Hkv, D] same dtype as q; any strides (last dim 1), so
@@ -20,6 +21,8 @@ Contract::
     num_splits    optional override of the split-KV factor (None: chosen from the batch shape)
     config        optional AttentionConfig overriding the tile shapes (benchmarks, tuning; None:
                   pick_config's)
+    block_order   the order programs start in ("heavy-first" or "in-order"; benchmarks): the same
+                  output either way
 
 Query j of sequence b sits at position seq_len_b - q_len_b + j and attends causally to KV
 positions 0..that position. Decodes (q_len 1), chunks over a cached prefix (seq_len > q_len),
@@ -42,6 +45,15 @@ on unscaled scores and the scale meets each score once, in the FMA feeding exp2 
 scale is positive: q's sign flips for a negative softmax_scale, q is zeroed for 0). With split-KV
 (flash-decoding), grid axis 2 splits each program's KV range; partial (acc, max, sum) go to an
 fp32 workspace and one reduce launch merges them.
+
+Programs start in the order of their linear id (axis 0 fastest), so the grid's order is the
+order SMs get work in. With block_order "heavy-first" (the default), a sequence's query blocks
+start last block first: the causal blocks that see the most keys go first and the lightest fill
+the end of the launch, where an SM would otherwise wait on one long block (FlashAttention-2
+reverses causal query blocks for this); and axis 0 interleaves the programs of up to 4 KV heads
+(as many as divide Hkv), so each block index is spread over several heads before the next, lighter
+one, while programs reading one head's K/V still run close together in time (L2). "in-order" is
+the order before it (first block first, one KV head after another), which benchmarks time beside.
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ from triton_kernels._common import (
 )
 from triton_kernels.contract import (
     MAX_SPLITS,
+    check_block_order,
     check_num_splits,
     check_paged_attention,
     check_paged_attention_values,
@@ -319,9 +332,12 @@ def _paged_attention_kernel(
     SLOT_I64: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,
     Q_SIGN: tl.constexpr,
+    HEAD_SHIFT: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # Axis 0 interleaves the programs of 2**HEAD_SHIFT KV heads (block_order_params).
+    pid = tl.program_id(0) >> HEAD_SHIFT
+    kv_head = (tl.program_id(1) << HEAD_SHIFT) | (tl.program_id(0) & ((1 << HEAD_SHIFT) - 1))
     split = tl.program_id(2)
 
     # Which sequence owns this query block: the last b with cu[b] // BLOCK_Q + b <= pid.
@@ -339,7 +355,10 @@ def _paged_attention_kernel(
     is_seq = seq < num_seqs
     q_end = tl.load(cu_seqlens_q_ptr + seq + 1, mask=is_seq, other=num_tokens)
     seq_len = tl.load(seq_lens_ptr + seq, mask=is_seq, other=0)
-    tok0 = q_start + (pid - q_start // BLOCK_Q - seq) * BLOCK_Q
+    if HEAVY_FIRST:  # the range's last program takes its first block (the padding range's too)
+        tok0 = q_start + (q_end // BLOCK_Q + seq - pid) * BLOCK_Q
+    else:
+        tok0 = q_start + (pid - q_start // BLOCK_Q - seq) * BLOCK_Q
     if tok0 >= q_end:
         return
 
@@ -519,6 +538,14 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def block_order_params(block_order: str, num_kv_heads: int) -> tuple[int, bool]:
+    """(HEAD_SHIFT, HEAVY_FIRST) of a block order: log2 of the KV heads axis 0 interleaves, and
+    whether a sequence's blocks start last first. The CUDA kernel (paged_attention.cu) does the same."""
+    if block_order == "in-order":
+        return 0, False
+    return (2 if num_kv_heads % 4 == 0 else 1 if num_kv_heads % 2 == 0 else 0), True
+
+
 def pick_num_splits(num_tokens: int, num_seqs: int, block_q: int, num_kv_heads: int, device: torch.device) -> int:
     """Split-KV factor from the batch shape alone (no host sync).
 
@@ -555,6 +582,7 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
+    block_order: str = "heavy-first",
 ) -> torch.Tensor:
     dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
     check_runnable(q, k_cache)
@@ -588,7 +616,8 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
 
-    grid = (dims.num_tokens // block_q + dims.num_seqs + 1, dims.num_kv_heads, num_splits)
+    head_shift, heavy_first = block_order_params(check_block_order(block_order), dims.num_kv_heads)
+    grid = ((dims.num_tokens // block_q + dims.num_seqs + 1) << head_shift, dims.num_kv_heads >> head_shift, num_splits)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -629,6 +658,8 @@ def paged_attention(
         SLOT_I64=(dims.page_size - 1) * max(k_cache.stride(1), v_cache.stride(1)) >= 2**31,
         SAME_KV_STRIDES=k_cache.stride() == v_cache.stride(),
         Q_SIGN=q_sign,
+        HEAD_SHIFT=head_shift,
+        HEAVY_FIRST=heavy_first,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **FP_FUSION,

@@ -71,6 +71,17 @@ def check_num_splits(num_splits: object) -> int | None:
     return int(num_splits)
 
 
+# The order programs start in (the same output either way): "heavy-first", a sequence's query blocks
+# last (most keys) first, several KV heads' blocks interleaved; "in-order", first block first, one
+# KV head after another (the order before heavy-first, kept for benchmarks).
+BLOCK_ORDERS = ("heavy-first", "in-order")
+
+
+def check_block_order(block_order: object) -> str:
+    _expect(block_order in BLOCK_ORDERS, f"block_order is {block_order!r}; allowed: {', '.join(BLOCK_ORDERS)}")
+    return block_order
+
+
 # The kernels take |softmax_scale| * log2(e) as a float32: beyond this it is inf.
 MAX_SOFTMAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
 

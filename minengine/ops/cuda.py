@@ -29,6 +29,8 @@ import contextlib
 import torch
 
 from triton_kernels.contract import (
+    BLOCK_ORDERS,
+    check_block_order,
     check_gather_input_ids,
     check_gather_input_ids_values,
     check_num_splits,
@@ -124,9 +126,11 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     impl: str = "auto",
+    block_order: str = "heavy-first",
 ) -> torch.Tensor:
     """``num_splits`` (a power of two up to 16) splits KV on the tensor-core kernel; the CUDA-core
-    kernel (fp32, unaligned caches) has no split path and ignores it."""
+    kernel (fp32, unaligned caches) has no split path and ignores it. ``block_order`` (the
+    tensor-core kernel; ``BLOCK_ORDERS``) is the order its blocks start in, not what they compute."""
     from triton_kernels.attention import pick_num_splits
 
     num_splits = check_num_splits(num_splits)
@@ -135,6 +139,7 @@ def paged_attention(
     dims, args = _attention_call(
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, softmax_scale, out, impl
     )
+    args["block_order"] = BLOCK_ORDERS.index(check_block_order(block_order))
     lib = _lib(q)
     if _debug():
         check_paged_attention_values(dims, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q)
@@ -218,6 +223,7 @@ def _attention_call(
         stream=_stream(q.device),
         max_seqlen_q=int(max_seqlen_q),
         impl=IMPLS[impl],
+        block_order=0,
         num_splits=1,
         part_acc=0,
         part_ml=0,

@@ -46,7 +46,7 @@ PagedAttentionArgs = _struct(
         (_I64, "num_tokens num_seqs num_q_heads num_kv_heads head_dim page_size num_pages max_seqlen_q num_splits"),
         (_I64, "sq_t sq_h sk_p sk_s sk_h sv_p sv_s sv_h so_t so_h sbt"),
         (_F64, "softmax_scale"),
-        (_INT, "dtype impl"),
+        (_INT, "dtype impl block_order"),
         (_P, "stream"),
     ],
 )
@@ -125,6 +125,14 @@ def _library() -> ctypes.CDLL:
     ):
         getattr(dll, fn).argtypes = [ctypes.POINTER(struct), ctypes.c_char_p, ctypes.c_int]
         getattr(dll, fn).restype = ctypes.c_int
+    dll.me_attention_block_order.argtypes = [
+        ctypes.POINTER(PagedAttentionArgs),
+        ctypes.c_void_p,
+        _I64,
+        ctypes.c_char_p,
+        ctypes.c_int,
+    ]
+    dll.me_attention_block_order.restype = _I64
     dll.me_fast_div.argtypes = [_I64, ctypes.c_void_p, ctypes.c_void_p, _I64, ctypes.c_char_p, ctypes.c_int]
     dll.me_fast_div.restype = ctypes.c_int
     dll.me_set_readable.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -180,6 +188,21 @@ def _extent(t) -> int:
 
 def attention_impl(**kwargs) -> int:
     return _call("me_attention_impl", PagedAttentionArgs, kwargs)
+
+
+def attention_block_order(**kwargs) -> np.ndarray:
+    """The tensor-core kernel's blocks of split 0 in launch order (grid x fastest), a row each:
+    (KV head, sequence, tile). Sequence -1 does nothing, sequence num_seqs zeroes the padding rows,
+    tile -1 is a decode tile; a prefill tile past its sequence's rows returns at once."""
+    args = PagedAttentionArgs(**kwargs)
+    error = ctypes.create_string_buffer(1024)
+    fn = _library().me_attention_block_order
+    n = fn(ctypes.byref(args), None, 0, error, len(error))
+    if n < 0:
+        raise ValueError(error.value.decode(errors="replace"))
+    order = np.empty((n // 3, 3), dtype=np.int32)
+    fn(ctypes.byref(args), order.ctypes.data, n, error, len(error))
+    return order
 
 
 def store_kv(**kwargs) -> None:
