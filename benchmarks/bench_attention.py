@@ -238,15 +238,16 @@ def time_block_orders(row: dict, kept: tuple, bench: Callable) -> None:
     for backend, call in calls.items():
         if OURS[backend] not in row:
             continue
-        runs = {order: functools.partial(call, *batch.args(), out=out, block_order=order) for order in BLOCK_ORDERS}
-        try:  # a failure is reported; the other backends go on
-            row["block_orders"][backend] = {
-                f"{order.replace('-', '_')}_{what}": value
-                for order, run in runs.items()
-                for what, value in (("err", fp64_error(run)), ("ms", bench(run)))
-            }
-        except Exception as exc:  # noqa: BLE001
-            row["block_orders"][backend] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+        kept = row["block_orders"][backend] = {}
+        for order in BLOCK_ORDERS:
+            run = functools.partial(call, *batch.args(), out=out, block_order=order)
+            key = order.replace("-", "_")
+            try:  # a failure is reported (what was measured stays); the rest goes on
+                kept[f"{key}_err"] = fp64_error(run)
+                kept[f"{key}_ms"] = bench(run)
+            except Exception as exc:  # noqa: BLE001
+                kept["error"] = f"{order}: {type(exc).__name__}: {exc}"[:300]
+                break
 
 
 def time_variants(row: dict, kept: tuple, bench: Callable) -> None:
@@ -739,8 +740,9 @@ def markdown(report: dict) -> str:
         ]
         for r in report["rows"]:
             for backend, v in r.get("block_orders", {}).items():
-                if "error" in v:
-                    lines.append(f"| {r['case']} | {backend} | failed: {v['error'][:80]} | - | - | - |")
+                if "in_order_ms" not in v:
+                    heavy = f"{v['heavy_first_ms']:.4f}" if "heavy_first_ms" in v else "-"
+                    lines.append(f"| {r['case']} | {backend} | {heavy} | failed: {v['error'][:80]} | - | - |")
                     continue
                 heavy, before = v["heavy_first_ms"], v["in_order_ms"]
                 lines.append(
@@ -975,7 +977,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
             except Exception as exc:  # noqa: BLE001  (reported; the other cases' variants go on)
                 row["variants_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"variants of case {row['case']} failed: {row['variants_error']}", flush=True)
-            print(json.dumps({"case": row["case"], "variants": row.get("variants")}), flush=True)
+            print(json.dumps({k: row.get(k) for k in ("case", "block_orders", "variants")}), flush=True)
         stopped = None
     except Stopped:
         print(f"stopped by SIGTERM during {stopped}", flush=True)

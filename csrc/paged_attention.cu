@@ -1105,6 +1105,10 @@ void encode_kv_map(TensorMap* map, uintptr_t base, int dtype, const PagedAttenti
 // (else std::invalid_argument saying why, as paged_attention would). wgmma-tma or wgmma-pipe asked
 // for on caches TMA cannot load (tma_applies) runs the wgmma kernel as it is, with cp.async.
 int attention_impl(const PagedAttentionArgs& a) {
+  if (a.block_order != kBlockOrderHeavyFirst && a.block_order != kBlockOrderInOrder) {
+    throw std::invalid_argument("block_order " + std::to_string(a.block_order) +
+                                "; allowed: 0 (heavy-first), 1 (in-order)");
+  }
   if (a.impl == kAttentionAuto) return mma_unsupported(a).empty() ? kAttentionMma : kAttentionSimt;
   if (a.impl == kAttentionMma || a.impl == kAttentionWgmma || a.impl == kAttentionWgmmaTma ||
       a.impl == kAttentionWgmmaPipe) {
@@ -1120,15 +1124,21 @@ int attention_impl(const PagedAttentionArgs& a) {
 
 namespace {
 
-// p.prefill_blocks and the block order, from num_seqs, num_tokens, group and max_seqlen_q.
+// p.prefill_blocks and the block order, from num_seqs, num_tokens, group, max_seqlen_q and block_order.
 void set_block_order(MmaParams& p, const PagedAttentionArgs& a) {
   // Prefill tiles only when some sequence may have more than 16 rows (max_seqlen_q is a host bound).
   p.prefill_blocks = a.num_seqs > 0 && a.max_seqlen_q * p.group > 16
                          ? static_cast<int>(a.num_tokens * p.group / 64 + a.num_seqs)
                          : 0;
-  // Heavy first: up to 4 KV heads interleaved (as many as divide num_kv_heads).
+  // Heavy first: 4 KV heads interleaved where 4 divide num_kv_heads, else 2 where 2 do, else 1.
   p.heavy_first = a.block_order == kBlockOrderHeavyFirst;
   p.head_shift = p.heavy_first ? (a.num_kv_heads % 4 == 0 ? 2 : a.num_kv_heads % 2 == 0 ? 1 : 0) : 0;
+}
+
+// The tensor-core kernel's grid: x a KV head group's blocks (block_work), y the head groups, z splits.
+dim3 mma_grid(const PagedAttentionArgs& a, const MmaParams& p) {
+  return dim3(static_cast<unsigned>((p.prefill_blocks + a.num_seqs + 1) << p.head_shift),
+              static_cast<unsigned>(a.num_kv_heads >> p.head_shift), static_cast<unsigned>(a.num_splits));
 }
 
 void launch_simt(const PagedAttentionArgs& a, const FastDiv& page, cudaStream_t stream) {
@@ -1152,9 +1162,7 @@ void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_
   auto kernel = attention_mma_kernel<T, D, WG, TMA, PIPE>;
   constexpr size_t smem = mma_smem_bytes<T, D, WG, TMA, PIPE>();
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
-  const dim3 grid(static_cast<unsigned>((p.prefill_blocks + a.num_seqs + 1) << p.head_shift),
-                  static_cast<unsigned>(a.num_kv_heads >> p.head_shift), static_cast<unsigned>(a.num_splits));
-  ME_LAUNCH(kernel, grid, dim3(kThreads), smem, stream, p);
+  ME_LAUNCH(kernel, mma_grid(a, p), dim3(kThreads), smem, stream, p);
   check_launch("paged_attention (tensor cores)");
   if (a.num_splits > 1) {
     auto merge = merge_splits_kernel<T>;
@@ -1246,10 +1254,10 @@ std::vector<int32_t> attention_block_order(const PagedAttentionArgs& a) {
   p.num_seqs = static_cast<int>(a.num_seqs);
   p.group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
   set_block_order(p, a);
-  const unsigned nx = static_cast<unsigned>((p.prefill_blocks + a.num_seqs + 1) << p.head_shift);
+  const dim3 grid = mma_grid(a, p);
   std::vector<int32_t> order;
-  for (unsigned y = 0; y < static_cast<unsigned>(a.num_kv_heads >> p.head_shift); ++y) {
-    for (unsigned x = 0; x < nx; ++x) {
+  for (unsigned y = 0; y < grid.y; ++y) {
+    for (unsigned x = 0; x < grid.x; ++x) {
       const BlockWork w = block_work(p, x);
       order.insert(order.end(), {kv_head_of(p, x, y), w.seq, w.tile});
     }

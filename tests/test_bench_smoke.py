@@ -54,16 +54,18 @@ def test_bench_attention_smoke(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")
 def test_bench_attention_a_failing_variant_is_reported(tmp_path, monkeypatch):
-    """A Triton tile variant that fails (a compile or resource error on some device) is listed as
-    failed; the case's own row and the other variants are kept."""
+    """A Triton tile variant or block order that fails (a compile or resource error on some device)
+    is listed as failed; the case's own row, the other variants and the other order are kept."""
     import triton_kernels
 
     bench = load_bench()
     real = triton_kernels.paged_attention
 
-    def paged_attention(*args, config=None, **kwargs):
+    def paged_attention(*args, config=None, block_order="heavy-first", **kwargs):
         if config is not None and config.num_stages == 2:
             raise RuntimeError("out of resources: shared memory")
+        if block_order == "in-order":
+            raise RuntimeError("no such order here")
         return real(*args, config=config, **kwargs)
 
     monkeypatch.setattr(triton_kernels, "paged_attention", paged_attention)
@@ -71,7 +73,11 @@ def test_bench_attention_a_failing_variant_is_reported(tmp_path, monkeypatch):
     variants = report["rows"][0]["variants"]
     assert variants["2-stages"]["error"] == "RuntimeError: out of resources: shared memory"
     assert report["rows"][0]["ms"] > 0 and variants["3-stages"]["ms"] > 0
-    assert "| a | 2-stages | 16/16/16/1/2 | failed: RuntimeError" in (tmp_path / "attention_smoke.md").read_text()
+    md = (tmp_path / "attention_smoke.md").read_text()
+    assert "| a | 2-stages | 16/16/16/1/2 | failed: RuntimeError" in md
+    orders = report["rows"][0]["block_orders"]["triton"]  # a failing order keeps what the other measured
+    assert orders["heavy_first_ms"] > 0 and orders["error"] == "in-order: RuntimeError: no such order here"
+    assert f"| a | triton | {orders['heavy_first_ms']:.4f} | failed: in-order: RuntimeError" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU run is the real benchmark, not a test")

@@ -135,22 +135,25 @@ def test_block_order(hkv, dev):
 
     if dev.type == "cuda":
         pytest.skip("reads the order through the emulator's block_work")
-    q_lens, kv_lens = [1, 70, 1, 0, 2, 33, 130], [100, 90, 5, 7, 40, 33, 200]
+    # sequence 7: 64 tokens x group 2 are 2 tiles, on 3 blocks here (the spare one returns at once)
+    q_lens, kv_lens = [1, 70, 1, 0, 2, 33, 130, 64], [100, 90, 5, 7, 40, 33, 200, 64]
     group = 2
     batch = batch_for(q_lens, kv_lens, torch.bfloat16, dev, hq=group * hkv, hkv=hkv, num_tokens=sum(q_lens) + 40)
-    prefill = {(b, t) for b, q in enumerate(q_lens) if q * group > 16 for t in range(-(-q * group // 64))}
-    decode = {(b, -1) for b, q in enumerate(q_lens) if q * group <= 16}
+    rows = [q * group for q in q_lens]
+    prefill = {(b, t) for b, n in enumerate(rows) if n > 16 for t in range(-(-n // 64))}
+    decode = {(b, -1) for b, n in enumerate(rows) if n <= 16}
     for block_order in (0, 1):
         _, args = cuda._attention_call(*batch.args(), None, batch.q, "auto")
         order = [tuple(b) for b in cuda_emulator.attention_block_order(**args | {"block_order": block_order}).tolist()]
-        working = [b for b in order if b[1] >= 0]
-        expected = {(h, *w) for h in range(hkv) for w in prefill | decode | {(len(q_lens), 0)}}
-        assert sorted(working) == sorted(expected)
-        tiles = [(h, b, t * 64 if t >= 0 else -1) for h, b, t in working if b < len(q_lens)]
-        block_order_properties([b for b in tiles if b[2] >= 0], block_order == 0, hkv)
-        if block_order == 0:  # the sequence with the most rows starts with its heaviest (last) tile
-            first = next(b for b in working if b[1] == 6)
-            assert first == (0, 6, -(-130 * group // 64) - 1)
+        padding = [b for b in order if b[1] == len(q_lens)]
+        tiles = [b for b in order if 0 <= b[1] < len(q_lens) and (b[2] < 0 or b[2] * 64 < rows[b[1]])]
+        assert sorted(padding) == [(h, len(q_lens), 0) for h in range(hkv)]
+        assert sorted(tiles) == sorted((h, *w) for h in range(hkv) for w in prefill | decode)
+        block_order_properties([(h, b, t * 64) for h, b, t in tiles if t >= 0], block_order == 0, hkv)
+        if block_order == 0:  # a sequence with spare blocks: the spare one first, then its tiles last first
+            assert [t for h, b, t in order if (h, b) == (0, 7)] == [2, 1, 0]
+    with pytest.raises(ValueError, match=r"block_order 7; allowed: 0 \(heavy-first\), 1 \(in-order\)"):
+        cuda_emulator.attention_block_order(**args | {"block_order": 7})
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])

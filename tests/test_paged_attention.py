@@ -7,8 +7,8 @@ outputs are poisoned with NaN before each call, so an unwritten element fails.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import itertools
 import math
 import os
 import random
@@ -229,27 +229,29 @@ def test_block_orders_give_the_same_output(hkv, device, kernels):
 
 @pytest.mark.parametrize("order", ["", "heavy_first", None, 0])
 def test_bad_block_order_raises(order, device, kernels):
-    batch = batch_for([3], [5], torch.float16, device)
-    with pytest.raises(ValueError, match=r"block_order is .*; allowed: heavy-first, in-order"):
-        kernels.paged_attention(*batch.args(), block_order=order)
+    for batch in batch_for([3], [5], torch.float16, device), batch_for([0], [5], torch.float16, device):
+        with pytest.raises(ValueError, match=r"block_order is .*; allowed: heavy-first, in-order"):
+            kernels.paged_attention(*batch.args(), block_order=order)
 
 
 def block_order_properties(order: list[tuple[int, int, int]], heavy_first: bool, num_kv_heads: int) -> None:
     """Checks a launch order, (KV head, sequence, first query row of the block) per block that does
-    work: each block once; heavy-first, a (head, sequence)'s blocks last first and the first blocks
-    interleaving as many KV heads as divide num_kv_heads up to 4; in-order, first first, one KV
-    head after another."""
+    work: each block once, sequences in batch order within a KV head; heavy-first, a (head,
+    sequence)'s blocks last first, with 4 KV heads interleaved where 4 divide num_kv_heads (else 2
+    where 2 do) all along; in-order, first first, one KV head after another."""
     assert len(set(order)) == len(order), "a block launched twice"
-    for (head, seq), rows in itertools.groupby(sorted(order, key=lambda b: b[:2]), key=lambda b: b[:2]):
-        rows = [r for h, b, r in order if (h, b) == (head, seq)]
-        assert rows == sorted(rows, reverse=heavy_first), (head, seq, rows)
+    rows = collections.defaultdict(list)
+    for head, seq, row in order:
+        rows[head, seq].append(row)
+    for (head, seq), seen in rows.items():
+        assert seen == sorted(seen, reverse=heavy_first), (head, seq, seen)
+    group = next(g for g in (4, 2, 1) if num_kv_heads % g == 0) if heavy_first else 1
     heads = [h for h, _, _ in order]
-    if heavy_first:
-        group = next(g for g in (4, 2, 1) if num_kv_heads % g == 0)
-        assert heads[:group] == list(range(group))
-        assert all(h // group == heads[i - i % group] // group for i, h in enumerate(heads[: group * 3]))
-    else:
-        assert heads == sorted(heads)
+    assert all(h % group == i % group for i, h in enumerate(heads)), heads  # interleaved, in step
+    assert [h // group for h in heads] == sorted(h // group for h in heads), heads
+    for head in range(num_kv_heads):  # each head's blocks: sequences in batch order
+        seqs = [b for h, b, _ in order if h == head]
+        assert seqs == sorted(seqs), (head, seqs)
 
 
 @pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8])
@@ -272,14 +274,15 @@ def test_triton_block_order(hkv, monkeypatch):
             return real(*args)
 
         monkeypatch.setattr(attention, "_attend_block", spy)
-        batch = batch_for([37, 1, 0, 20, 1], [60, 9, 4, 20, 33], torch.float16, "cpu", hq=2 * hkv, hkv=hkv, d=32)
+        q_lens, kv_lens = [37, 1, 0, 20, 1], [60, 9, 4, 20, 33]
+        batch = batch_for(q_lens, kv_lens, torch.float16, "cpu", hq=2 * hkv, hkv=hkv, d=32, num_tokens=59 + 19)
         triton_kernels.paged_attention(*batch.args(), block_order=block_order)
         monkeypatch.undo()
         order = [call[1:] for call in sorted(calls)]
         block_q = attention.pick_config(37, 2, 32, torch.float16, True).tokens(2)[0]
-        cu = batch.cu_seqlens_q.tolist()
-        expected = {(h, b, t) for h in range(hkv) for b in range(5) for t in range(cu[b], cu[b + 1], block_q)}
-        assert set(order) == expected  # (no padding rows in this batch)
+        ends = [*batch.cu_seqlens_q.tolist(), 59 + 19]  # the padding range: sequence 5, rows 59 to 77
+        expected = {(h, b, t) for h in range(hkv) for b in range(6) for t in range(ends[b], ends[b + 1], block_q)}
+        assert set(order) == expected
         block_order_properties(order, block_order == "heavy-first", hkv)
 
 

@@ -50,10 +50,11 @@ Programs start in the order of their linear id (axis 0 fastest), so the grid's o
 order SMs get work in. With block_order "heavy-first" (the default), a sequence's query blocks
 start last block first: the causal blocks that see the most keys go first and the lightest fill
 the end of the launch, where an SM would otherwise wait on one long block (FlashAttention-2
-reverses causal query blocks for this); and axis 0 interleaves the programs of up to 4 KV heads
-(as many as divide Hkv), so each block index is spread over several heads before the next, lighter
-one, while programs reading one head's K/V still run close together in time (L2). "in-order" is
-the order before it (first block first, one KV head after another), which benchmarks time beside.
+reverses causal query blocks for this); and axis 0 interleaves the programs of 4 KV heads where
+4 divide Hkv (else 2 where 2 do), so each block index is spread over several heads before the
+next, lighter one, while programs reading one head's K/V still run close together in time (L2).
+"in-order" is the order before it (first block first, one KV head after another), which
+benchmarks time beside.
 """
 
 from __future__ import annotations
@@ -541,7 +542,7 @@ def _pow2(n: int) -> bool:
 def block_order_params(block_order: str, num_kv_heads: int) -> tuple[int, bool]:
     """(HEAD_SHIFT, HEAVY_FIRST) of a block order: log2 of the KV heads axis 0 interleaves, and
     whether a sequence's blocks start last first. The CUDA kernel (paged_attention.cu) does the same."""
-    if block_order == "in-order":
+    if check_block_order(block_order) == "in-order":
         return 0, False
     return (2 if num_kv_heads % 4 == 0 else 1 if num_kv_heads % 2 == 0 else 0), True
 
@@ -586,6 +587,7 @@ def paged_attention(
 ) -> torch.Tensor:
     dims = check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, out)
     check_runnable(q, k_cache)
+    check_block_order(block_order)
     if debug_checks():
         check_paged_attention_values(dims, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q)
     if out is None:
@@ -616,7 +618,7 @@ def paged_attention(
     else:
         part_acc = part_ml = out  # unused
 
-    head_shift, heavy_first = block_order_params(check_block_order(block_order), dims.num_kv_heads)
+    head_shift, heavy_first = block_order_params(block_order, dims.num_kv_heads)
     grid = ((dims.num_tokens // block_q + dims.num_seqs + 1) << head_shift, dims.num_kv_heads >> head_shift, num_splits)
     _paged_attention_kernel[grid](
         q,
