@@ -19,8 +19,9 @@
 # A session gets about 30 minutes of device time, start-up included: three phases at most. The
 # first (an H100, 2026-11-23) ran tests (311 s), kernels (237 s, cut short by a bug since fixed) and
 # engine (541 s); a fresh machine started in under 30 s. Next: kernels (--triton-variants times
-# stop 41's tile parameters beside stop 42's unmeasured ones on cases a-d, after all the cases' own
-# rows, so the time limit cuts variants first; the cuda columns and ncu time stop 43's CUDA tile
+# each of our backends in both block orders, heavy-first against in-order, then stop 41's tile
+# parameters beside stop 42's unmeasured ones on cases a-d, after all the cases' own rows, so the
+# time limit cuts those first; the cuda columns and ncu time stop 43's CUDA tile
 # changes, and their fp64 error columns are the first check of them on a GPU), then within the
 # machine's 30 s idle window `serving backends` (FlashInfer's JIT cache is still there), `serving
 # overlap chunk` (about 450 s: a server start is about 45 s, and chunk's 100 prompts, 20 of them
