@@ -238,15 +238,15 @@ def time_block_orders(row: dict, kept: tuple, bench: Callable) -> None:
     for backend, call in calls.items():
         if OURS[backend] not in row:
             continue
-        kept = row["block_orders"][backend] = {}
+        times = row["block_orders"][backend] = {}
         for order in BLOCK_ORDERS:
             run = functools.partial(call, *batch.args(), out=out, block_order=order)
             key = order.replace("-", "_")
             try:  # a failure is reported (what was measured stays); the rest goes on
-                kept[f"{key}_err"] = fp64_error(run)
-                kept[f"{key}_ms"] = bench(run)
+                times[f"{key}_err"] = fp64_error(run)
+                times[f"{key}_ms"] = bench(run)
             except Exception as exc:  # noqa: BLE001
-                kept["error"] = f"{order}: {type(exc).__name__}: {exc}"[:300]
+                times["error"] = f"{order}: {type(exc).__name__}: {exc}"[:300]
                 break
 
 
