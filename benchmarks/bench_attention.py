@@ -253,12 +253,10 @@ def time_block_orders(row: dict, kept: tuple, bench: Callable) -> None:
 def time_variants(row: dict, kept: tuple, bench: Callable) -> None:
     """The Triton tile configs of ``triton_variants`` on a case's inputs, beside the picked one timed
     again (``variants_pick_ms``), into ``row["variants"]``. Run after every case's own row, so a
-    time limit cuts variants, not the cases, the CUDA columns or FlashInfer's; the block orders
-    (``time_block_orders``) first."""
+    time limit cuts variants, not the cases, the CUDA columns or FlashInfer's."""
     import triton_kernels
 
     batch, out, ours, fp64_error, variants = kept
-    time_block_orders(row, kept, bench)
     row["variants"] = {}
     row["variants_pick_ms"] = bench(ours)
     for name, cfg in variants.items():
@@ -971,9 +969,11 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         for row in rows:
             if row["case"] not in later:
                 continue
-            stopped = f"the Triton variants of case {row['case']}"
+            stopped = f"the block orders and Triton variants of case {row['case']}"
             try:
-                time_variants(row, later.pop(row["case"]), bench)
+                kept = later.pop(row["case"])
+                time_block_orders(row, kept, bench)
+                time_variants(row, kept, bench)
             except Exception as exc:  # noqa: BLE001  (reported; the other cases' variants go on)
                 row["variants_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(f"variants of case {row['case']} failed: {row['variants_error']}", flush=True)

@@ -116,7 +116,7 @@ def test_bench_attention_times_variants_after_every_case(tmp_path, monkeypatch):
 
     monkeypatch.setattr(bench, "time_variants", stopped_at_b)
     report = bench.main(["--smoke", "--cases", "ab", "--triton-variants", "--no-torch", "--out", str(tmp_path)])
-    assert report["stopped_during"] == "the Triton variants of case b"
+    assert report["stopped_during"] == "the block orders and Triton variants of case b"
     assert report["rows"][0]["variants"] and [r["case"] for r in report["rows"]] == ["a", "b"]
     assert json.loads((tmp_path / "attention_smoke.json").read_text())["rows"][0]["variants"]
 

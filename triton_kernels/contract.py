@@ -73,7 +73,8 @@ def check_num_splits(num_splits: object) -> int | None:
 
 # The order programs start in (the same output either way): "heavy-first", a sequence's query blocks
 # last (most keys) first, several KV heads' blocks interleaved; "in-order", first block first, one
-# KV head after another (the order before heavy-first, kept for benchmarks).
+# KV head after another (the order before heavy-first, kept for benchmarks). A name's index is its
+# code in the CUDA kernels' PagedAttentionArgs (csrc/kernels.h, BlockOrder).
 BLOCK_ORDERS = ("heavy-first", "in-order")
 
 
