@@ -49,6 +49,7 @@ OURS = {
     "cuda-wgmma": "cuda_wgmma_ms",
     "cuda-wgmma-tma": "cuda_wgmma_tma_ms",
     "cuda-wgmma-pipe": "cuda_wgmma_pipe_ms",
+    "cuda-wgmma-2wg": "cuda_wgmma_2wg_ms",
 }
 OURS_ERR = {
     "triton": "rel_err_vs_fp64",
@@ -56,6 +57,7 @@ OURS_ERR = {
     "cuda-wgmma": "cuda_wgmma_rel_err_vs_fp64",
     "cuda-wgmma-tma": "cuda_wgmma_tma_rel_err_vs_fp64",
     "cuda-wgmma-pipe": "cuda_wgmma_pipe_rel_err_vs_fp64",
+    "cuda-wgmma-2wg": "cuda_wgmma_2wg_rel_err_vs_fp64",
 }
 # an output further than this from float64 is wrong, whatever its time (fp16/bf16 rounding alone is
 # about 2.3e-3): such a backend meets no target
@@ -192,7 +194,8 @@ def run_case(
             row["cuda_rel_err_vs_fp64"] = fp64_error(theirs)
             row["cuda_kernel"] = cuda_backend.chosen_kernel(*batch.args())
             if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
-                # the prefill tiles' K/V by cp.async, then by TMA, then by TMA and pipelined
+                # the prefill tiles' K/V by cp.async, then by TMA, then by TMA and pipelined, then
+                # those with two warpgroups (128-row tiles)
                 for impl in cuda_backend.WGMMA_IMPLS:
                     run = functools.partial(cuda_backend.paged_attention, *batch.args(), out=out, impl=impl)
                     key = "cuda_" + impl.replace("-", "_")
@@ -685,8 +688,8 @@ def markdown(report: dict) -> str:
         "",
         "| case | shape | triton ms | KV GB/s | of copy BW | TFLOP/s | of matmul peak "
         "| torch/triton | FlashInfer/triton | FlashInfer POD/triton | err vs fp64 | cuda ms | cuda err "
-        "| cuda wgmma ms | wgmma err | wgmma TMA ms | TMA err | wgmma pipe ms | pipe err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cuda wgmma ms | wgmma err | wgmma TMA ms | TMA err | wgmma pipe ms | pipe err | wgmma 2wg ms | 2wg err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt(row: dict, key: str, spec: str) -> str:
@@ -701,7 +704,8 @@ def markdown(report: dict) -> str:
             f"{fmt(r, 'cuda_ms', '.4f')} | {fmt(r, 'cuda_rel_err_vs_fp64', '.1e')} | "
             f"{fmt(r, 'cuda_wgmma_ms', '.4f')} | {fmt(r, 'cuda_wgmma_rel_err_vs_fp64', '.1e')} | "
             f"{fmt(r, 'cuda_wgmma_tma_ms', '.4f')} | {fmt(r, 'cuda_wgmma_tma_rel_err_vs_fp64', '.1e')} | "
-            f"{fmt(r, 'cuda_wgmma_pipe_ms', '.4f')} | {fmt(r, 'cuda_wgmma_pipe_rel_err_vs_fp64', '.1e')} |"
+            f"{fmt(r, 'cuda_wgmma_pipe_ms', '.4f')} | {fmt(r, 'cuda_wgmma_pipe_rel_err_vs_fp64', '.1e')} | "
+            f"{fmt(r, 'cuda_wgmma_2wg_ms', '.4f')} | {fmt(r, 'cuda_wgmma_2wg_rel_err_vs_fp64', '.1e')} |"
         )
     if any("variants" in r or "variants_error" in r for r in report["rows"]):
         lines += [

@@ -15,7 +15,9 @@ namespace minengine {
 // head_dim <= 128); kAttentionWgmmaTma the same tiles with their K/V stages loaded by TMA where
 // whole chunks of pages allow (page_size 8, 16, 32, 64 or a multiple of 64, 128-byte aligned cache
 // bases and strides; elsewhere it runs kAttentionWgmma); kAttentionWgmmaPipe those TMA tiles
-// pipelined (a stage's softmax under the previous stage's P V; the same fallback). num_splits > 1
+// pipelined (a stage's softmax under the previous stage's P V; the same fallback);
+// kAttentionWgmma2wg those pipelined TMA tiles with two warpgroups a block, 128 rows a prefill tile
+// sharing each K/V stage (the same fallback). num_splits > 1
 // (the tensor-core kernel; the CUDA-core one ignores it) needs part_acc, fp32 [num_splits,
 // num_tokens, Hq, head_dim], and part_ml, fp32 [.., Hq, 2].
 enum AttentionImpl : int {
@@ -24,7 +26,8 @@ enum AttentionImpl : int {
   kAttentionMma = 2,
   kAttentionWgmma = 3,
   kAttentionWgmmaTma = 4,
-  kAttentionWgmmaPipe = 5
+  kAttentionWgmmaPipe = 5,
+  kAttentionWgmma2wg = 6
 };
 
 // block_order: kBlockOrderHeavyFirst starts each sequence's prefill tiles last (most keys) first,
@@ -58,7 +61,7 @@ struct GatherArgs {
 
 void paged_attention(const PagedAttentionArgs& args);
 // Which kernel paged_attention runs for these arguments (kAttentionSimt, kAttentionMma, kAttentionWgmma,
-// kAttentionWgmmaTma or kAttentionWgmmaPipe);
+// kAttentionWgmmaTma, kAttentionWgmmaPipe or kAttentionWgmma2wg);
 // std::invalid_argument, as from paged_attention, where the kernel asked for cannot take them.
 int attention_impl(const PagedAttentionArgs& args);
 #ifdef MINENGINE_EMULATE

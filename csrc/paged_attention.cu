@@ -170,6 +170,7 @@ struct MmaParams {
   const int32_t* cu;
   int num_seqs, num_tokens, num_q_heads, group, head_dim, num_splits, prefill_blocks;
   int head_shift;    // grid x interleaves the blocks of 2^head_shift KV heads (block_kv_head)
+  int tile_shift;    // a prefill tile's rows: 2^tile_shift (64; 128 for the two-warpgroup wgmma tile)
   bool heavy_first;  // a sequence's prefill tiles run last tile first (attention_mma_kernel)
   FastDiv page;  // page_size
   int64_t sq_t, sq_h, sk_p, sk_s, sk_h, sv_p, sv_s, sv_h, so_t, so_h, sbt;
@@ -214,25 +215,30 @@ __host__ __device__ constexpr size_t max3(size_t a, size_t b, size_t c) {
   return a > b ? (a > c ? a : c) : (b > c ? b : c);
 }
 
-// Key offsets (lookup_key, store_key below): two stages of [keys][K, V] int64 entries, up to 64 keys.
+// Key offsets (lookup_key, store_key below): two stages of [keys][K, V] int64 entries, up to 64 keys
+// a warpgroup (the two-warpgroup kernel's decode tiles take 128 keys a stage).
 constexpr int kMaxStageKeys = 64;
-constexpr size_t kOffsetBytes = sizeof(int64_t) * 2 * 2 * kMaxStageKeys;
+__host__ __device__ constexpr int offset_entries(int wgs) { return 2 * 2 * kMaxStageKeys * wgs; }
 
 // The K/V stages (or the decode tiles' merge buffers) from the start of shared memory, then the key
-// offsets at mma_offsets_at.
-template <typename T, int D, bool WG, bool PIPE = false> __host__ __device__ constexpr size_t mma_offsets_at() {
+// offsets at mma_offsets_at. WGS warpgroups a block: the decode tiles' warps split WGS times as many
+// keys a stage.
+template <typename T, int D, bool WG, bool PIPE = false, int WGS = 1>
+__host__ __device__ constexpr size_t mma_offsets_at() {
   constexpr size_t prefill = WG ? static_cast<size_t>(2) * wgmma_stages(PIPE) * kWgmmaKeys * D * sizeof(T) + 1024
                                 : kv_smem_bytes<T, D, MmaShape<D>::kPrefillKeys, MmaShape<D>::kPrefillStages>();
-  constexpr size_t decode = kv_smem_bytes<T, D, MmaShape<D>::kDecodeKeys, MmaShape<D>::kDecodeStages>();
-  constexpr size_t merge = sizeof(float) * 4 * 16 * (D + 2);  // decode tiles: 4 warps' partials
+  constexpr size_t decode = kv_smem_bytes<T, D, MmaShape<D>::kDecodeKeys * WGS, MmaShape<D>::kDecodeStages>();
+  constexpr size_t merge = sizeof(float) * 4 * WGS * 16 * (D + 2);  // decode tiles: the warps' partials
   return (max3(prefill, decode, merge) + 15) / 16 * 16;
 }
 // wgmma-tma tiles also keep, after the key offsets, two stages' page ids of their TMA chunks (-1:
 // the chunk comes by cp.async) and the stage buffers' mbarriers.
 constexpr int kMaxTmaChunks = 8;  // 64 keys in chunks of at least 8 slots
 constexpr size_t tma_bytes(int stages) { return sizeof(int32_t) * 2 * kMaxTmaChunks + sizeof(uint64_t) * stages; }
-template <typename T, int D, bool WG, bool TMA = false, bool PIPE = false> constexpr size_t mma_smem_bytes() {
-  return mma_offsets_at<T, D, WG, PIPE>() + kOffsetBytes + (TMA ? tma_bytes(wgmma_stages(PIPE)) : 0);
+template <typename T, int D, bool WG, bool TMA = false, bool PIPE = false, int WGS = 1>
+constexpr size_t mma_smem_bytes() {
+  return mma_offsets_at<T, D, WG, PIPE, WGS>() + sizeof(int64_t) * offset_entries(WGS) +
+         (TMA ? tma_bytes(wgmma_stages(PIPE)) : 0);
 }
 
 // The rows and keys of one tile of BM rows of sequence `seq`, starting at row tile * BM, and the two
@@ -312,9 +318,9 @@ struct KeyLookup {
   int page = -1, slot = 0;  // page -1: no entry here or the key is past key_hi
 };
 
-template <int KEYS>
+template <int KEYS, int THREADS>
 __device__ __forceinline__ KeyLookup lookup_key(const MmaParams& p, const int32_t* table, int stage, int key_hi) {
-  static_assert(2 * KEYS <= kThreads && KEYS <= kMaxStageKeys, "one entry per thread");
+  static_assert(2 * KEYS <= THREADS && KEYS <= kMaxStageKeys * (THREADS / 128), "one entry per thread");
   KeyLookup k;
   const int key = stage * KEYS + static_cast<int>(threadIdx.x) / 2;
   if (threadIdx.x < 2 * KEYS && key < key_hi) {
@@ -342,10 +348,10 @@ constexpr int64_t kByTma = -2;
 // rows i / CHUNKS + j * ROWS. Keys with offset -1 are zero-filled without a read; chunks past
 // head_dim are skipped (ZERO_PAD false: never read back) or zero-filled (ZERO_PAD true: read by
 // whole 64-dim wgmma operands). SKIP_TMA: rows with offset kByTma are left to their TMA load.
-template <typename T, int D, int KEYS, bool ZERO_PAD, typename Place, bool SKIP_TMA = false>
+template <typename T, int D, int KEYS, bool ZERO_PAD, typename Place, int THREADS, bool SKIP_TMA = false>
 __device__ __forceinline__ void load_kv_stage(const MmaParams& p, const int64_t* offsets, T* ks, T* vs, Place place) {
-  constexpr int CHUNKS = D / 8, ROWS = kThreads / CHUNKS;
-  static_assert(kThreads % CHUNKS == 0 && KEYS % ROWS == 0, "whole rows per pass, whole passes per stage");
+  constexpr int CHUNKS = D / 8, ROWS = THREADS / CHUNKS;
+  static_assert(THREADS % CHUNKS == 0 && KEYS % ROWS == 0, "whole rows per pass, whole passes per stage");
   const int c = threadIdx.x % CHUNKS, row0 = threadIdx.x / CHUNKS;
   const bool in_dim = c * 8 < p.head_dim;
   if (!ZERO_PAD && !in_dim) return;
@@ -506,7 +512,7 @@ template <int KEYS> struct StageOffsets {
 
 // The key offsets of a tile's first two stages (the loop then stores each stage's two ahead), published
 // by a barrier before the first copy reads them. store(lookup, stage) writes a stage's entries.
-template <int KEYS, typename Store>
+template <int KEYS, int THREADS, typename Store>
 __device__ __forceinline__ void start_offsets(const MmaParams& p, const int32_t* table, const TileRows& r,
                                               const StageOffsets<KEYS>& offsets, Store store) {
 #ifdef MINENGINE_EMULATE
@@ -519,19 +525,19 @@ __device__ __forceinline__ void start_offsets(const MmaParams& p, const int32_t*
   }
   __syncthreads();
 #endif
-  const KeyLookup first = lookup_key<KEYS>(p, table, r.stage_lo, r.key_hi);
-  const KeyLookup second = lookup_key<KEYS>(p, table, r.stage_lo + 1, r.key_hi);
+  const KeyLookup first = lookup_key<KEYS, THREADS>(p, table, r.stage_lo, r.key_hi);
+  const KeyLookup second = lookup_key<KEYS, THREADS>(p, table, r.stage_lo + 1, r.key_hi);
   store(first, r.stage_lo);
   store(second, r.stage_lo + 1);
   __syncthreads();
 }
 
 // One tile of BM = 16 * WM rows of sequence `seq` on mma.sync; WN warps split each stage's KEYS
-// keys (WM * WN = 4 warps).
+// keys (WM * WN warps: the block's).
 template <typename T, int D, int WM, int WN, int KEYS, int STAGES>
 __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t* offsets, int seq, int tile) {
-  constexpr int BM = 16 * WM, KW = KEYS / WN, LD = MmaShape<D>::kPitch;
-  static_assert(WM * WN == kThreads / 32 && KW % 16 == 0, "tile shape");
+  constexpr int BM = 16 * WM, KW = KEYS / WN, LD = MmaShape<D>::kPitch, THREADS = 32 * WM * WN;
+  static_assert(KW % 16 == 0, "tile shape");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / WN, wn = warp % WN, g = lane >> 2, t = lane & 3;
   TileRows r;
@@ -545,17 +551,17 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
   const StageOffsets<KEYS> stage_offsets{offsets, r.stage_lo};
   auto load_stage = [&](int stage, int buf) {
-    load_kv_stage<T, D, KEYS, false>(p, stage_offsets.of(stage), ks + buf * KEYS * LD, vs + buf * KEYS * LD,
-                                     RowMajor<LD>{});
+    load_kv_stage<T, D, KEYS, false, RowMajor<LD>, THREADS>(p, stage_offsets.of(stage), ks + buf * KEYS * LD,
+                                                            vs + buf * KEYS * LD, RowMajor<LD>{});
   };
 
   auto store = [&](const KeyLookup& k, int stage) { store_key<KEYS>(p, k, stage_offsets.of(stage)); };
-  start_offsets<KEYS>(p, table, r, stage_offsets, store);
+  start_offsets<KEYS, THREADS>(p, table, r, stage_offsets, store);
   if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
   cp_async_commit();
   for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
     const int buf = (stage - r.stage_lo) % STAGES;
-    const KeyLookup ahead = lookup_key<KEYS>(p, table, stage + 2, r.key_hi);
+    const KeyLookup ahead = lookup_key<KEYS, THREADS>(p, table, stage + 2, r.key_hi);
     if (STAGES > 1) {
       if (stage + 1 < r.stage_hi) load_stage(stage + 1, (buf + 1) % STAGES);
       cp_async_commit();
@@ -639,7 +645,7 @@ __device__ __forceinline__ void mma_tile(const MmaParams& p, char* smem, int64_t
   __syncthreads();
   T* out = static_cast<T*>(p.out);
   const int kv_head = block_kv_head(p);
-  for (int idx = threadIdx.x; idx < 16 * p.head_dim; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < 16 * p.head_dim; idx += THREADS) {
     const int rr = idx / p.head_dim, d = idx % p.head_dim, row = r.row0 + rr;
     if (row >= r.n_rows) continue;
     float mx = -INFINITY;
@@ -697,10 +703,10 @@ __device__ __forceinline__ void store_key_tma(const MmaParams& p, const KeyLooku
 // dip below zero until then. The warp index and page ids are shuffled from lane 0, so the compiler
 // keeps the loads' operands in uniform registers and one elected lane issues each load, instead of
 // a loop over the lanes' distinct operands per load.
-template <typename T, int D>
+template <typename T, int D, int THREADS>
 __device__ __forceinline__ void issue_tma_chunks(const MmaParams& p, const int32_t* pages, T* ks, T* vs, uint64_t* bar,
                                                  int stage) {
-  constexpr int KEYS = kWgmmaKeys, WARPS = kThreads / 32;
+  constexpr int KEYS = kWgmmaKeys, WARPS = THREADS / 32;
   const int rows = p.tma_rows, kv_head = block_kv_head(p);
   const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
   const bool leader = elect_one();
@@ -723,7 +729,8 @@ __device__ __forceinline__ void issue_tma_chunks(const MmaParams& p, const int32
   if (leader) mbarrier_arrive_expect_tx(bar, bytes);  // a stage without TMA chunks completes with the arrivals
 }
 
-// One 64-row prefill tile on Hopper's warpgroup MMA (the block's 4 warps are one warpgroup).
+// One prefill tile of 64 rows a warpgroup on Hopper's warpgroup MMA: WGS warpgroups (the block's
+// warps, 4 each) take rows [64 w, 64 w + 64) of a 64 * WGS-row tile and read the same K/V stages.
 // K/V stages are stored as [D / 64][KEYS][64] with 128-byte rows whose 16-byte chunks are XORed
 // with the row index (the 128B-swizzle layout), which makes them wgmma B operands: K-major for
 // S = Q K^T (K rows), N-major (transposed) for O += P V. Q and P stay in registers as A operands;
@@ -735,14 +742,16 @@ __device__ __forceinline__ void issue_tma_chunks(const MmaParams& p, const int32
 // the softmax of S runs while the P V does, so the tensor cores have work through it; O is rescaled
 // once the P V is in. Three stage buffers (t + 1 lands while t's K and t - 1's V are read), P of the
 // previous stage held in registers: about 30 more registers, two blocks an SM.
-template <typename T, int D, bool TMA, bool PIPE>
+// WGS 2 (wgmma-2wg, TMA and PIPE): 128-row tiles, so each key crosses from L2 to shared memory once
+// for 128 rows instead of 64; one block an SM.
+template <typename T, int D, bool TMA, bool PIPE, int WGS = 1>
 __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64_t* offsets, int seq, int tile) {
-  constexpr int KEYS = kWgmmaKeys, STAGES = wgmma_stages(PIPE);
+  constexpr int KEYS = kWgmmaKeys, STAGES = wgmma_stages(PIPE), THREADS = 128 * WGS;
   constexpr uint32_t ATOMS = KEYS * 128, STAGE_BYTES = ATOMS * (D / 64);  // bytes per 64-dim block, per stage
   static_assert(D % 64 == 0 && D <= 128, "wgmma tile head dims");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   TileRows r;
-  if (!tile_rows<64, KEYS>(p, seq, tile, warp, g, r)) return;
+  if (!tile_rows<64 * WGS, KEYS>(p, seq, tile, warp, g, r)) return;
   uint32_t qf[D / 16][4];
   float acc[D / 8][4], m[2], l[2];
   start_tile<T, D>(p, r, t, qf, acc, m, l);
@@ -754,7 +763,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
   const uint64_t v_desc0 = sw128_descriptor(smem_address(vs), ATOMS, 1024);
   const int32_t* table = p.block_tables + static_cast<int64_t>(seq) * p.sbt;
   const StageOffsets<KEYS> stage_offsets{offsets, r.stage_lo};
-  int32_t* pages = reinterpret_cast<int32_t*>(offsets + 2 * 2 * kMaxStageKeys);  // [2][kMaxTmaChunks] (TMA)
+  int32_t* pages = reinterpret_cast<int32_t*>(offsets + offset_entries(WGS));  // [2][kMaxTmaChunks] (TMA)
   uint64_t* bars = reinterpret_cast<uint64_t*>(pages + 2 * kMaxTmaChunks);       // [STAGES] (TMA)
   auto pages_of = [&](int stage) { return pages + ((stage - r.stage_lo) & 1) * kMaxTmaChunks; };
   const int whole = TMA ? p.seq_lens[seq] & -p.tma_rows : 0;  // seq_len rounded down to a chunk
@@ -769,11 +778,11 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
   auto load_stage = [&](int stage, int buf) {
     const int at = buf * STAGE_BYTES / sizeof(T);
     if constexpr (TMA) {
-      issue_tma_chunks<T, D>(p, pages_of(stage), ks + at, vs + at, &bars[buf], stage);
+      issue_tma_chunks<T, D, THREADS>(p, pages_of(stage), ks + at, vs + at, &bars[buf], stage);
       if ((stage + 1) * KEYS - p.tma_rows < tma_hi) return;  // every chunk by TMA (store_key_tma)
     }
-    load_kv_stage<T, D, KEYS, true, Swizzle128<KEYS>, TMA>(p, stage_offsets.of(stage), ks + at, vs + at,
-                                                           Swizzle128<KEYS>{});
+    load_kv_stage<T, D, KEYS, true, Swizzle128<KEYS>, THREADS, TMA>(p, stage_offsets.of(stage), ks + at, vs + at,
+                                                                    Swizzle128<KEYS>{});
   };
 
   if constexpr (TMA) {
@@ -781,7 +790,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
       prefetch_tensor_map(&p.k_map);
       prefetch_tensor_map(&p.v_map);
 #pragma unroll
-      for (int b = 0; b < STAGES; ++b) mbarrier_init(&bars[b], kThreads / 32);
+      for (int b = 0; b < STAGES; ++b) mbarrier_init(&bars[b], THREADS / 32);
     }
   }
   // S = Q K^T of the stage in buffer buf: k-step kk reads dims [16 kk, 16 kk + 16) of all 64 keys
@@ -821,7 +830,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
     __syncthreads();
   };
 
-  start_offsets<KEYS>(p, table, r, stage_offsets, store);
+  start_offsets<KEYS, THREADS>(p, table, r, stage_offsets, store);
   if (r.stage_lo < r.stage_hi) load_stage(r.stage_lo, 0);
   cp_async_commit();
   if constexpr (PIPE) {
@@ -830,7 +839,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
     uint32_t phase = 0;
     for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
       const int next = buf + 1 == STAGES ? 0 : buf + 1;
-      const KeyLookup ahead = lookup_key<KEYS>(p, table, stage + 2, r.key_hi);
+      const KeyLookup ahead = lookup_key<KEYS, THREADS>(p, table, stage + 2, r.key_hi);
       wait_stage(stage, buf, next, phase);
       float s[KEYS / 8][4], alpha[2];
       issue_s(s, buf);
@@ -865,7 +874,7 @@ __device__ __forceinline__ void wgmma_tile(const MmaParams& p, char* smem, int64
   } else {
     for (int stage = r.stage_lo; stage < r.stage_hi; ++stage) {
       const int buf = (stage - r.stage_lo) % STAGES;
-      const KeyLookup ahead = lookup_key<KEYS>(p, table, stage + 2, r.key_hi);
+      const KeyLookup ahead = lookup_key<KEYS, THREADS>(p, table, stage + 2, r.key_hi);
       wait_stage(stage, buf, (buf + 1) % STAGES, static_cast<uint32_t>((stage - r.stage_lo) >> 1) & 1u);
       float s[KEYS / 8][4];
       issue_s(s, buf);
@@ -895,9 +904,9 @@ __host__ __device__ __forceinline__ bool decode_kind(const MmaParams& p, int seq
 
 // What block x of a KV head's range does: the prefill tile `tile` of sequence `seq`, the decode
 // tile of `seq` (tile -1), the padding rows (seq num_seqs) or nothing (seq -1). Blocks [0,
-// prefill_blocks) are prefill tiles, sequence b owning [first, last] = [cu[b] * group / 64 + b,
-// cu[b + 1] * group / 64 + b] (the ones past its rows and a decode's return); then one decode
-// block per sequence; then the padding block.
+// prefill_blocks) are prefill tiles of R = 2^tile_shift rows, sequence b owning [first, last] =
+// [cu[b] * group / R + b, cu[b + 1] * group / R + b] (the ones past its rows and a decode's
+// return); then one decode block per sequence; then the padding block.
 struct BlockWork {
   int seq, tile;
 };
@@ -907,12 +916,12 @@ __host__ __device__ __forceinline__ BlockWork block_work(const MmaParams& p, uns
     int lo = 0, hi = p.num_seqs - 1;  // the last b with first(b) <= bid (strictly increasing in b)
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (static_cast<int64_t>(p.cu[mid]) * p.group / 64 + mid <= bid) lo = mid; else hi = mid - 1;
+      if ((static_cast<int64_t>(p.cu[mid]) * p.group >> p.tile_shift) + mid <= bid) lo = mid; else hi = mid - 1;
     }
-    const int last = static_cast<int>(static_cast<int64_t>(p.cu[lo + 1]) * p.group / 64) + lo;
+    const int last = static_cast<int>(static_cast<int64_t>(p.cu[lo + 1]) * p.group >> p.tile_shift) + lo;
     // (bid > last: past the last sequence, in the padding tokens' share of the range)
     if (bid > last || decode_kind(p, lo)) return {-1, 0};
-    const int first = static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group / 64) + lo;
+    const int first = static_cast<int>(static_cast<int64_t>(p.cu[lo]) * p.group >> p.tile_shift) + lo;
     return {lo, p.heavy_first ? last - bid : bid - first};
   }
   const int seq = bid - p.prefill_blocks;
@@ -923,21 +932,24 @@ __host__ __device__ __forceinline__ BlockWork block_work(const MmaParams& p, uns
 // WG: prefill tiles on wgmma (sm_90a, D <= 128) instead of mma.sync, TMA: their K/V by TMA where
 // pages allow, PIPE: pipelined (wgmma_tile); decode tiles are the same. p is a __grid_constant__ so
 // its tensor maps have an address TMA can read. The wgmma kernels keep to 168 registers at D 128
-// (three blocks an SM), 128 at D 64 (four); pipelined, 255 (two) and 168 (three).
-template <typename T, int D, bool WG, bool TMA, bool PIPE = false>
-__global__ void __launch_bounds__(kThreads, WG ? (PIPE ? (D > 64 ? 2 : 3) : (D > 64 ? 3 : 4)) : 0)
+// (three blocks an SM), 128 at D 64 (four); pipelined, 255 (two) and 168 (three). WGS 2 (wgmma-2wg):
+// blocks of two warpgroups, 128-row prefill tiles, decode tiles of 8 warps over 128 keys a stage;
+// one block an SM.
+template <typename T, int D, bool WG, bool TMA, bool PIPE = false, int WGS = 1>
+__global__ void __launch_bounds__(kThreads * WGS, WGS > 1 ? 1 : WG ? (PIPE ? (D > 64 ? 2 : 3) : (D > 64 ? 3 : 4)) : 0)
     attention_mma_kernel(const __grid_constant__ MmaParams p) {
+  static_assert(WGS == 1 || (WG && TMA && PIPE), "two warpgroups: the pipelined TMA tile only");
   ME_DYNAMIC_SMEM(smem);
   using S = MmaShape<D>;
-  constexpr size_t offsets_at = mma_offsets_at<T, D, WG, PIPE>();
+  constexpr size_t offsets_at = mma_offsets_at<T, D, WG, PIPE, WGS>();
   int64_t* offsets = reinterpret_cast<int64_t*>(smem + offsets_at);
   const BlockWork w = block_work(p, blockIdx.x);
   if (w.seq < 0) return;
   if (w.seq < p.num_seqs) {
     if (w.tile < 0) {
-      mma_tile<T, D, 1, 4, S::kDecodeKeys, S::kDecodeStages>(p, smem, offsets, w.seq, 0);
+      mma_tile<T, D, 1, 4 * WGS, S::kDecodeKeys * WGS, S::kDecodeStages>(p, smem, offsets, w.seq, 0);
     } else if constexpr (WG) {
-      wgmma_tile<T, D, TMA, PIPE>(p, smem, offsets, w.seq, w.tile);
+      wgmma_tile<T, D, TMA, PIPE, WGS>(p, smem, offsets, w.seq, w.tile);
     } else {
       mma_tile<T, D, 4, 1, S::kPrefillKeys, S::kPrefillStages>(p, smem, offsets, w.seq, w.tile);
     }
@@ -948,7 +960,7 @@ __global__ void __launch_bounds__(kThreads, WG ? (PIPE ? (D > 64 ? 2 : 3) : (D >
   T* out = static_cast<T*>(p.out);
   const int64_t first = p.cu[p.num_seqs] + blockIdx.z, per_token = static_cast<int64_t>(p.group) * p.head_dim;
   const int64_t tokens = first < p.num_tokens ? (p.num_tokens - first + p.num_splits - 1) / p.num_splits : 0;
-  for (int64_t i = threadIdx.x; i < tokens * per_token; i += kThreads) {
+  for (int64_t i = threadIdx.x; i < tokens * per_token; i += kThreads * WGS) {
     const int64_t token = first + (i / per_token) * p.num_splits;
     const int64_t h = static_cast<int64_t>(block_kv_head(p)) * p.group + (i % per_token) / p.head_dim;
     out[token * p.so_t + h * p.so_h + i % p.head_dim] = from_float<T>(0.f);
@@ -1019,6 +1031,11 @@ std::string wgmma_unsupported(const PagedAttentionArgs& a) {
   }
   return "";
 #endif
+}
+
+// The impls whose prefill tiles load K/V by TMA where tma_applies (else they run kAttentionWgmma).
+__host__ __device__ constexpr bool uses_tma(int impl) {
+  return impl == kAttentionWgmmaTma || impl == kAttentionWgmmaPipe || impl == kAttentionWgmma2wg;
 }
 
 // Whether the wgmma tiles can load these caches by TMA (the wgmma kernel's rules hold): pages that
@@ -1110,25 +1127,27 @@ int attention_impl(const PagedAttentionArgs& a) {
                                 "; allowed: 0 (heavy-first), 1 (in-order)");
   }
   if (a.impl == kAttentionAuto) return mma_unsupported(a).empty() ? kAttentionMma : kAttentionSimt;
-  if (a.impl == kAttentionMma || a.impl == kAttentionWgmma || a.impl == kAttentionWgmmaTma ||
-      a.impl == kAttentionWgmmaPipe) {
+  if (a.impl == kAttentionMma || a.impl == kAttentionWgmma || uses_tma(a.impl)) {
     const std::string why = a.impl == kAttentionMma ? mma_unsupported(a) : wgmma_unsupported(a);
     if (!why.empty()) throw std::invalid_argument(why);
-    if ((a.impl == kAttentionWgmmaTma || a.impl == kAttentionWgmmaPipe) && !tma_applies(a)) return kAttentionWgmma;
+    if (uses_tma(a.impl) && !tma_applies(a)) return kAttentionWgmma;
     return a.impl;
   }
   if (a.impl == kAttentionSimt) return a.impl;
   throw std::invalid_argument("attention impl " + std::to_string(a.impl) +
-                              "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma), 4 (wgmma-tma), 5 (wgmma-pipe)");
+                              "; allowed: 0 (auto), 1 (simt), 2 (mma), 3 (wgmma), 4 (wgmma-tma), 5 (wgmma-pipe), "
+                              "6 (wgmma-2wg)");
 }
 
 namespace {
 
-// p.prefill_blocks and the block order, from num_seqs, num_tokens, group, max_seqlen_q and block_order.
-void set_block_order(MmaParams& p, const PagedAttentionArgs& a) {
+// p.prefill_blocks and the block order, from num_seqs, num_tokens, group, max_seqlen_q, block_order
+// and the kernel (attention_impl's): the two-warpgroup one has 128-row prefill tiles.
+void set_block_order(MmaParams& p, const PagedAttentionArgs& a, int impl) {
+  p.tile_shift = impl == kAttentionWgmma2wg ? 7 : 6;
   // Prefill tiles only when some sequence may have more than 16 rows (max_seqlen_q is a host bound).
   p.prefill_blocks = a.num_seqs > 0 && a.max_seqlen_q * p.group > 16
-                         ? static_cast<int>(a.num_tokens * p.group / 64 + a.num_seqs)
+                         ? static_cast<int>((a.num_tokens * p.group >> p.tile_shift) + a.num_seqs)
                          : 0;
   // Heavy first: 4 KV heads interleaved where 4 divide num_kv_heads, else 2 where 2 do, else 1.
   p.heavy_first = a.block_order == kBlockOrderHeavyFirst;
@@ -1157,12 +1176,12 @@ void launch_simt(const PagedAttentionArgs& a, const FastDiv& page, cudaStream_t 
   check_launch("paged_attention (CUDA cores)");
 }
 
-template <typename T, int D, bool WG, bool TMA = false, bool PIPE = false>
+template <typename T, int D, bool WG, bool TMA = false, bool PIPE = false, int WGS = 1>
 void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
-  auto kernel = attention_mma_kernel<T, D, WG, TMA, PIPE>;
-  constexpr size_t smem = mma_smem_bytes<T, D, WG, TMA, PIPE>();
+  auto kernel = attention_mma_kernel<T, D, WG, TMA, PIPE, WGS>;
+  constexpr size_t smem = mma_smem_bytes<T, D, WG, TMA, PIPE, WGS>();
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
-  ME_LAUNCH(kernel, mma_grid(a, p), dim3(kThreads), smem, stream, p);
+  ME_LAUNCH(kernel, mma_grid(a, p), dim3(kThreads * WGS), smem, stream, p);
   check_launch("paged_attention (tensor cores)");
   if (a.num_splits > 1) {
     auto merge = merge_splits_kernel<T>;
@@ -1175,7 +1194,10 @@ void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_
 
 template <typename T>
 void launch_mma(const PagedAttentionArgs& a, const MmaParams& p, int impl, cudaStream_t stream) {
-  if (impl == kAttentionWgmmaPipe) {  // head_dim <= 128 (wgmma_unsupported)
+  if (impl == kAttentionWgmma2wg) {  // head_dim <= 128 (wgmma_unsupported)
+    if (a.head_dim <= 64) launch_mma_dim<T, 64, true, true, true, 2>(a, p, stream);
+    else launch_mma_dim<T, 128, true, true, true, 2>(a, p, stream);
+  } else if (impl == kAttentionWgmmaPipe) {  // head_dim <= 128 (wgmma_unsupported)
     if (a.head_dim <= 64) launch_mma_dim<T, 64, true, true, true>(a, p, stream);
     else launch_mma_dim<T, 128, true, true, true>(a, p, stream);
   } else if (impl == kAttentionWgmmaTma) {
@@ -1231,12 +1253,12 @@ void paged_attention(const PagedAttentionArgs& a) {
   p.head_dim = static_cast<int>(a.head_dim);
   p.page = page;
   p.num_splits = static_cast<int>(a.num_splits);
-  set_block_order(p, a);
+  set_block_order(p, a, impl);
   p.sq_t = a.sq_t, p.sq_h = a.sq_h, p.sk_p = a.sk_p, p.sk_s = a.sk_s, p.sk_h = a.sk_h;
   p.sv_p = a.sv_p, p.sv_s = a.sv_s, p.sv_h = a.sv_h, p.so_t = a.so_t, p.so_h = a.so_h, p.sbt = a.sbt;
   p.scale_log2 = static_cast<float>(std::fabs(a.softmax_scale)) * kLog2e;
   p.q_sign = a.softmax_scale < 0 ? 0x80008000u : 0u;
-  if (impl == kAttentionWgmmaTma || impl == kAttentionWgmmaPipe) {  // (attention_impl checked that TMA applies)
+  if (uses_tma(impl)) {  // (attention_impl checked that TMA applies)
     p.tma_rows = static_cast<int>(a.page_size < 64 ? a.page_size : 64);
     while ((1 << p.tma_shift) < p.tma_rows) ++p.tma_shift;
     encode_kv_map(&p.k_map, a.k_cache, a.dtype, a, a.sk_p, a.sk_s, a.sk_h, p.tma_rows);
@@ -1248,12 +1270,13 @@ void paged_attention(const PagedAttentionArgs& a) {
 
 #ifdef MINENGINE_EMULATE
 std::vector<int32_t> attention_block_order(const PagedAttentionArgs& a) {
-  if (attention_impl(a) == kAttentionSimt) throw std::invalid_argument("the CUDA-core kernel has no block order");
+  const int impl = attention_impl(a);
+  if (impl == kAttentionSimt) throw std::invalid_argument("the CUDA-core kernel has no block order");
   MmaParams p{};
   p.cu = reinterpret_cast<const int32_t*>(a.cu_seqlens_q);
   p.num_seqs = static_cast<int>(a.num_seqs);
   p.group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
-  set_block_order(p, a);
+  set_block_order(p, a, impl);
   const dim3 grid = mma_grid(a, p);
   std::vector<int32_t> order;
   for (unsigned y = 0; y < grid.y; ++y) {

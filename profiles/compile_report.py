@@ -38,11 +38,18 @@ KINDS = (("decode", 1, 1), ("split", 1, 4), ("prefill", 2048, 1))  # (name, max_
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 TYPES = {"6__half": "fp16", "13__nv_bfloat16": "bf16", "f": "fp32"}
+
+
+def _mma_kernel(m: re.Match) -> str:
+    """attention_mma_kernel<T, D, WG, TMA, PIPE, WGS>'s readable name."""
+    wg, tma, pipe, wgs = (m[i] for i in (3, 4, 5, 6))
+    impl = "mma" if wg == "0" else "wgmma-2wg" if wgs == "2" else "wgmma-pipe" if pipe == "1" else "wgmma"
+    impl = "wgmma-tma" if impl == "wgmma" and tma == "1" else impl
+    return f"{impl} {TYPES.get(m[1], m[1])} D{m[2]}"
+
+
 KERNEL_NAMES = {  # mangled-name pattern -> readable name
-    r"attention_mma_kernelI(\w+?)Li(\d+)ELb([01])ELb([01])ELb([01])E": lambda m: (
-        f"{'mma' if m[3] == '0' else 'wgmma-pipe' if m[5] == '1' else 'wgmma-tma' if m[4] == '1' else 'wgmma'}"
-        f" {TYPES.get(m[1], m[1])} D{m[2]}"
-    ),
+    r"attention_mma_kernelI(\w+?)Li(\d+)ELb([01])ELb([01])ELb([01])ELi(\d)E": _mma_kernel,
     r"attention_simt_kernelI(\w+?)EEv": lambda m: f"simt {TYPES.get(m[1], m[1])}",
     r"merge_splits_kernelI(\w+?)EEv": lambda m: f"merge {TYPES.get(m[1], m[1])}",
 }

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 backends="triton cuda"
 if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
-  backends="$backends cuda-wgmma cuda-wgmma-tma cuda-wgmma-pipe"  # wgmma prefill tiles: cp.async, TMA, pipelined
+  backends="$backends cuda-wgmma cuda-wgmma-tma cuda-wgmma-pipe cuda-wgmma-2wg"  # cp.async, TMA, pipelined, two warpgroups
 fi
 rc=0
 sanitize() {  # sanitize --tool T CMD...: one compute-sanitizer run; a failure is noted, not fatal

@@ -1,9 +1,10 @@
 """Run the kernels a few times on the representative mixed batch (for ncu / compute-sanitizer).
 
-python profiles/mixed_batch.py --backend triton|cuda|cuda-wgmma|cuda-wgmma-tma|cuda-wgmma-pipe [--small]
+python profiles/mixed_batch.py --backend triton|cuda|cuda-wgmma|cuda-wgmma-tma|cuda-wgmma-pipe|cuda-wgmma-2wg [--small]
 
 cuda-wgmma: the cuda kernel with its prefill tiles on Hopper's wgmma (an sm_90 GPU); cuda-wgmma-tma:
-those tiles with their K/V loaded by TMA; cuda-wgmma-pipe: the TMA tiles pipelined.
+those tiles with their K/V loaded by TMA; cuda-wgmma-pipe: the TMA tiles pipelined; cuda-wgmma-2wg:
+those with two warpgroups a block (128-row tiles).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from minengine.ops.testing import make_paged_batch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument(
-        "--backend", default="triton", choices=["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe"]
+        "--backend",
+        default="triton",
+        choices=["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe", "cuda-wgmma-2wg"],
     )
     p.add_argument("--small", action="store_true", help="a small batch (for compute-sanitizer, which is slow)")
     p.add_argument("--iters", type=int, default=4)

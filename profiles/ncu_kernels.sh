@@ -3,7 +3,8 @@
 # prefix + 63 decodes at 4k, bf16, 32/8/128, page 16), Triton and CUDA backends: DRAM throughput,
 # achieved occupancy, tensor-pipe utilization, top warp-stall reasons. Clocks left as they are.
 # On an sm_90 GPU also cuda-wgmma (the CUDA kernel's prefill tiles on wgmma), cuda-wgmma-tma
-# (those tiles loading K/V by TMA) and cuda-wgmma-pipe (the TMA tiles pipelined).
+# (those tiles loading K/V by TMA), cuda-wgmma-pipe (the TMA tiles pipelined) and cuda-wgmma-2wg
+# (those with two warpgroups a block: 128-row tiles).
 #   bash profiles/ncu_kernels.sh          -> profiles/out/ncu_<backend>.txt, and a row per kernel of
 #                                            each in profiles/out/ncu_summary.md (profiles/ncu_summary.py)
 # A backend whose run fails does not stop the others; the exit code is 1 if any failed.
@@ -14,7 +15,7 @@ rm -f profiles/out/ncu_*.txt profiles/out/ncu_summary.md  # (an earlier run's mu
 rc=0
 backends="triton cuda"
 if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
-  backends="$backends cuda-wgmma cuda-wgmma-tma cuda-wgmma-pipe"
+  backends="$backends cuda-wgmma cuda-wgmma-tma cuda-wgmma-pipe cuda-wgmma-2wg"
 fi
 # a section's table alone leaves out its breakdowns (the warp-stall reasons of WarpStateStats, the
 # pipe utilization of ComputeWorkloadAnalysis): print the sections' bodies too where ncu can

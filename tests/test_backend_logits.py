@@ -8,8 +8,8 @@ logits, not just greedy tokens.
 
 On CPU: the torch and Triton (interpreted) backends in float32, and the CUDA kernels through the
 emulator in fp16 (tensor-core and wgmma tiles, the latter also with TMA loads on 8-slot pages,
-and pipelined). On a GPU (``gpu``): triton, cuda, cuda-wgmma, cuda-wgmma-tma and cuda-wgmma-pipe
-(sm_90), flashinfer (when
+and pipelined, with one warpgroup a block or two). On a GPU (``gpu``): triton, cuda and the four
+cuda-wgmma* backends (sm_90), flashinfer (when
 installed) and auto in fp16: the model in fp16 is within about 3e-3 of float32 here, in bf16
 within 2.5e-2, too close to any tolerance that would still catch a kernel bug (the kernel tests
 cover bf16).
@@ -111,10 +111,11 @@ def test_backend_logits_cpu(backend, checkpoint, sequences):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the GPU test below runs the real kernels")
-@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe", "wgmma-2wg"])
 def test_cuda_emulated_logits(impl, checkpoint, sequences):
     """The CUDA tensor-core kernel (and its wgmma prefill tiles, K/V by cp.async or TMA, or by TMA
-    and pipelined) in fp16 through the emulator; TMA takes pages of 8 slots or more."""
+    and pipelined, with one warpgroup a block or two) in fp16 through the emulator; TMA takes pages
+    of 8 slots or more."""
     from conftest import use_cuda_emulator
 
     from minengine.ops import cuda
@@ -136,7 +137,8 @@ def test_cuda_emulated_logits(impl, checkpoint, sequences):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "backend", ["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe", "flashinfer", "auto"]
+    "backend",
+    ["triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe", "cuda-wgmma-2wg", "flashinfer", "auto"],
 )
 def test_backend_logits_gpu(backend, checkpoint, sequences):
     from minengine.ops import cuda, flashinfer_ref

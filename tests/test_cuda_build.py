@@ -142,13 +142,13 @@ def test_hopper_tiles_keep_three_blocks_per_sm():
     its instruction count can still cost a block per SM here (the unmasked-stage branch did, in the
     64-row mma.sync tile: 180 registers). The pipelined tiles hold the previous stage's P beside S and
     take a third stage buffer: two blocks an SM at D 128 (at most 255 registers, 99 KB), three at D 64 (168
-    registers, 51 KB)."""
+    registers, 51 KB). The two-warpgroup tiles (256 threads) run one block an SM: at most 255."""
     rows = _compile_report().csrc_report(["90a"])
     names = {"wgmma bf16 D128", "wgmma-tma bf16 D128", "wgmma-pipe bf16 D128", "wgmma-pipe fp16 D64", "mma fp16 D128"}
-    assert names | {"mma bf16 D256"} <= {r["kernel"] for r in rows}
+    assert names | {"mma bf16 D256", "wgmma-2wg bf16 D128", "wgmma-2wg fp16 D64"} <= {r["kernel"] for r in rows}
     for r in rows:
         assert r["spill"] == 0 and r["arrive"] == 0, r
-        if r["kernel"].startswith("wgmma-pipe") and r["kernel"].endswith("D128"):
+        if r["kernel"].startswith("wgmma-2wg") or r["kernel"] in ("wgmma-pipe bf16 D128", "wgmma-pipe fp16 D128"):
             assert r["regs"] <= 255, r
         elif r["kernel"].startswith(("wgmma", "mma")) and not r["kernel"].endswith("D256"):
             assert r["regs"] <= 168, r
@@ -158,7 +158,7 @@ def test_hopper_tiles_keep_three_blocks_per_sm():
     not nvcc_present() or os.environ.get("MINENGINE_BUILD_CUDA") == "0", reason="no nvcc: the extension is optional"
 )
 def test_pipelined_tile_keeps_its_p_v_in_flight_through_the_softmax(tmp_path):
-    """The SASS of the wgmma-pipe kernels (sm_90a): after issuing a stage's S and the previous
+    """The SASS of the wgmma-pipe and wgmma-2wg kernels (sm_90a): after issuing a stage's S and the previous
     stage's P V, the tile waits with one wgmma group still pending (`WARPGROUP.DEPBAR.LE gsb0, 0x1`),
     so the P V runs through the softmax. The emulator cannot see this (a wait for both groups gives
     the same results, only slower): a `wgmma_wait<0>` there, or ptxas serializing the groups, fails
@@ -173,7 +173,7 @@ def test_pipelined_tile_keeps_its_p_v_in_flight_through_the_softmax(tmp_path):
     functions = {f.split("\n", 1)[0].strip(): f for f in sass.split("Function : ")[1:]}
     pipe = [body for name, body in functions.items() if "attention_mma_kernel" in name and "ELb1ELb1ELb1E" in name]
     serial = [body for name, body in functions.items() if "attention_mma_kernel" in name and "ELb1ELb1ELb0E" in name]
-    assert len(pipe) == 4 and len(serial) == 4  # fp16 / bf16 x D 64 / 128
+    assert len(pipe) == 8 and len(serial) == 4  # fp16 / bf16 x D 64 / 128 (x one or two warpgroups, pipelined)
     for body in pipe:
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in body
     for body in serial:

@@ -123,33 +123,38 @@ def test_prefill_and_decode_tiles_in_one_launch(num_splits, dtype, dev):
     assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
 
 
+@pytest.mark.parametrize(("impl", "tile"), [("auto", 64), ("wgmma-2wg", 128)])
 @pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8, 12])
-def test_block_order(hkv, dev):
+def test_block_order(hkv, impl, tile, dev):
     """The tensor-core kernel's blocks in launch order (grid x fastest), as its own block_work maps
-    them (the emulator's attention_block_order): every prefill tile, decode tile and padding block
-    once per KV head; heavy-first, a sequence's tiles last first with KV heads interleaved; in-order,
-    as before. Padding tokens make blocks past the last sequence, which must do nothing."""
+    them (the emulator's attention_block_order): every prefill tile (64 rows; 128 for the
+    two-warpgroup kernel), decode tile and padding block once per KV head; heavy-first, a sequence's
+    tiles last first with KV heads interleaved; in-order, as before. Padding tokens make blocks past
+    the last sequence, which must do nothing."""
     from test_paged_attention import block_order_properties
 
     from minengine.ops import cuda_emulator
 
     if dev.type == "cuda":
         pytest.skip("reads the order through the emulator's block_work")
-    # sequence 7: 64 tokens x group 2 are 2 tiles, on 3 blocks here (the spare one returns at once)
-    q_lens, kv_lens = [1, 70, 1, 0, 2, 33, 130, 64], [100, 90, 5, 7, 40, 33, 200, 64]
+    # sequence 7: 64 tokens x group 2 are 2 tiles of 64 rows, on 3 blocks here (the spare one returns
+    # at once); 128 tokens, 2 tiles of 128 rows
+    q_lens = [1, 70, 1, 0, 2, 33, 130, tile]
+    kv_lens = [100, 90, 5, 7, 40, 33, 200, tile]
     group = 2
     batch = batch_for(q_lens, kv_lens, torch.bfloat16, dev, hq=group * hkv, hkv=hkv, num_tokens=sum(q_lens) + 40)
+    batch = tma_ready(batch, impl)
     rows = [q * group for q in q_lens]
-    prefill = {(b, t) for b, n in enumerate(rows) if n > 16 for t in range(-(-n // 64))}
+    prefill = {(b, t) for b, n in enumerate(rows) if n > 16 for t in range(-(-n // tile))}
     decode = {(b, -1) for b, n in enumerate(rows) if n <= 16}
     for block_order in (0, 1):
-        _, args = cuda._attention_call(*batch.args(), None, batch.q, "auto")
+        _, args = cuda._attention_call(*batch.args(), None, batch.q, impl)
         order = [tuple(b) for b in cuda_emulator.attention_block_order(**args | {"block_order": block_order}).tolist()]
         padding = [b for b in order if b[1] == len(q_lens)]
-        tiles = [b for b in order if 0 <= b[1] < len(q_lens) and (b[2] < 0 or b[2] * 64 < rows[b[1]])]
+        tiles = [b for b in order if 0 <= b[1] < len(q_lens) and (b[2] < 0 or b[2] * tile < rows[b[1]])]
         assert sorted(padding) == [(h, len(q_lens), 0) for h in range(hkv)]
         assert sorted(tiles) == sorted((h, *w) for h in range(hkv) for w in prefill | decode)
-        block_order_properties([(h, b, t * 64) for h, b, t in tiles if t >= 0], block_order == 0, hkv)
+        block_order_properties([(h, b, t * tile) for h, b, t in tiles if t >= 0], block_order == 0, hkv)
         if block_order == 0:  # a sequence with spare blocks: the spare one first, then its tiles last first
             assert [t for h, b, t in order if (h, b) == (0, 7)] == [2, 1, 0]
     with pytest.raises(ValueError, match=r"block_order 7; allowed: 0 \(heavy-first\), 1 \(in-order\)"):
@@ -174,6 +179,8 @@ def test_every_tile_shape_over_several_stages(head_dim, dev):
         ("wgmma-tma", 128),
         ("wgmma-pipe", 64),
         ("wgmma-pipe", 128),
+        ("wgmma-2wg", 64),
+        ("wgmma-2wg", 128),
     ],
 )
 def test_stages_are_refilled_only_after_every_warp_read_them(impl, head_dim, dev):
@@ -213,7 +220,7 @@ def test_wgmma_prefill_tiles(head_dim, dtype, dev):
         assert torch.equal(out[sum(q_lens) :], torch.zeros_like(out[sum(q_lens) :]))
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-pipe"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-pipe", "wgmma-2wg"])
 @pytest.mark.parametrize("scale", [0.37, -0.2, 0.0])
 def test_softmax_scales_on_tensor_cores(impl, scale, dev):
     """The tensor-core tiles take the max of the raw scores and fold the scale into each weight's
@@ -226,22 +233,22 @@ def test_softmax_scales_on_tensor_cores(impl, scale, dev):
     check(tma_ready(batch, impl), torch.bfloat16, impl=impl, softmax_scale=scale)
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe", "wgmma-2wg"])
 def test_unmasked_stages_end_where_the_first_row_stops_seeing(impl, dev):
     """Stages that every row of a tile sees whole skip the causal mask. Each sequence here puts a
     tile's first token one key before, at, or one key after the end of a 64-key wgmma prefill
     stage or a 16-key decode warp slice (the 64-row mma.sync tile masks every stage), so a bound
     one key too generous fails. One too strict only masks a stage that needs none: no output
-    shows it."""
+    shows it. The last three do it for the second tile of 128 rows (32 tokens in, wgmma-2wg)."""
     if impl.startswith("wgmma"):
         needs_wgmma(dev)
-    ctx = [62, 63, 64, 46, 47, 48, 30, 31, 32, 14, 15, 16]
-    q_lens = [20, 20, 20, 20, 20, 20, 3, 3, 3, 1, 1, 1]  # group 4: 16 tokens per 64-row tile
+    ctx = [62, 63, 64, 46, 47, 48, 30, 31, 32, 14, 15, 16, 94, 95, 96]
+    q_lens = [20, 20, 20, 20, 20, 20, 3, 3, 3, 1, 1, 1, 40, 40, 40]  # group 4: 16 tokens per 64-row tile
     batch = batch_for(q_lens, [c + q for c, q in zip(ctx, q_lens, strict=True)], torch.bfloat16, dev)
     check(tma_ready(batch, impl), torch.bfloat16, impl=impl)
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-pipe"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-pipe", "wgmma-2wg"])
 def test_a_late_dominant_key_rescales_its_rows(impl, dev):
     """A key 40 times longer than the rest, in a late stage, raises its rows' max far past
     anything before it: fp16 P overflows unless acc and l are rescaled to the new max (prefill and
@@ -289,24 +296,27 @@ def test_wgmma_tma_runs_the_cp_async_tiles_where_tma_does_not_apply(page, head_d
         check(batch, torch.float16, impl=impl)
 
 
+@pytest.mark.parametrize("impl", ["wgmma-pipe", "wgmma-2wg"])
 @pytest.mark.parametrize("page", [16, 128])
-def test_wgmma_pipe_cycles_its_three_stage_buffers(page, dev):
-    """The pipelined tile over 5 to 8 stages: each of its three buffers is filled twice or more (the
+def test_wgmma_pipe_cycles_its_three_stage_buffers(page, impl, dev):
+    """The pipelined tiles over 5 to 8 stages: each of their three buffers is filled twice or more (the
     mbarrier phase flips), each stage's P V is issued a stage late (the last one after the loop),
     with a dominant key in a late stage so O's deferred rescale matters; with the copies landing as
-    late and as early as the GPU may land them."""
+    late and as early as the GPU may land them. The 70-token chunk is 280 rows (group 4): for the
+    two-warpgroup tile, two 128-row tiles and one whose first warpgroup holds 24 rows and whose
+    second holds none."""
     from minengine.ops import cuda_emulator
 
     needs_wgmma(dev)
-    batch = tma_ready(batch_for([40, 1, 20], [460, 300, 400], torch.float16, dev, d=128, page=page), "wgmma-pipe")
+    batch = tma_ready(batch_for([70, 1, 20], [460, 300, 400], torch.float16, dev, d=128, page=page), impl)
     for seq, key in ((0, 390), (2, 330)):
         block = int(batch.block_tables[seq, key // page])
         batch.k_cache[block, key % page] *= 30
     for splits in (1, 2):
-        check(batch, torch.float16, num_splits=splits, impl="wgmma-pipe")
+        check(batch, torch.float16, num_splits=splits, impl=impl)
     if dev.type == "cpu":
         with cuda_emulator.cp_async_land_at_issue():
-            check(batch, torch.float16, impl="wgmma-pipe")
+            check(batch, torch.float16, impl=impl)
 
 
 def test_wgmma_refuses_what_it_cannot_run(dev):
@@ -346,7 +356,7 @@ def test_emulator_fails_a_copy_past_seq_len_or_outside_the_caches(dev):
     assert not out.isnan().any()
 
 
-@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe"])
+@pytest.mark.parametrize("impl", ["mma", "wgmma", "wgmma-tma", "wgmma-pipe", "wgmma-2wg"])
 def test_random_batches(impl, dev):
     if impl.startswith("wgmma"):
         needs_wgmma(dev)

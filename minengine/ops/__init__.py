@@ -9,8 +9,9 @@ A backend is a ``KernelSet`` of the three contract functions (see ``triton_kerne
   step from the runner's host copy of the metadata, outside the graph for CUDA-graph decode
   steps (GPU, optional import);
 - ``auto``: on CUDA, ``triton``, ``cuda``, ``cuda-wgmma`` (the cuda kernel with Hopper wgmma
-  prefill tiles), ``cuda-wgmma-tma`` (those tiles loading K/V by TMA) or ``cuda-wgmma-pipe`` (the TMA
-  tiles pipelined) chosen per call shape from the device's committed
+  prefill tiles), ``cuda-wgmma-tma`` (those tiles loading K/V by TMA), ``cuda-wgmma-pipe`` (the TMA
+  tiles pipelined) or ``cuda-wgmma-2wg`` (those with two warpgroups, 128-row tiles) chosen per call
+  shape from the device's committed
   tuning table (``tuning.py``; backend name ``tuned``), or ``triton`` where the device has none
   (or ``minengine._C`` is not built); ``torch`` otherwise.
 
@@ -121,8 +122,8 @@ def _tuning_table(device: torch.device) -> dict[str, str] | None:
 
 
 def _tuned_kernels(device: torch.device) -> KernelSet:
-    """Attention from triton, cuda, cuda-wgmma, cuda-wgmma-tma or cuda-wgmma-pipe per call shape (the
-    device's table); triton's store and gather."""
+    """Attention from triton, cuda or one of the cuda-wgmma* backends per call shape (the device's
+    table); triton's store and gather."""
     from minengine.ops import tuning
 
     triton, cuda = _triton_kernels(), _cuda_kernels()

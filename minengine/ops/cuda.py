@@ -16,6 +16,9 @@ multiple of 64, and 128-byte aligned cache bases and strides (elsewhere it runs 
 backend ``cuda-wgmma-tma``. ``impl="wgmma-pipe"`` runs those TMA tiles pipelined as FlashAttention-3
 does within a warpgroup (each stage's softmax while the previous stage's P V runs; two blocks an
 SM at head dim 128 instead of three), with the same fallback; backend ``cuda-wgmma-pipe``.
+``impl="wgmma-2wg"`` runs those pipelined TMA tiles with two warpgroups a block: 128-row prefill
+tiles whose rows share each K/V stage, so every key crosses from L2 to shared memory half as often
+as with 64-row tiles (one block an SM), with the same fallback; backend ``cuda-wgmma-2wg``.
 
 After ``use_emulator()``, CPU tensors run through ``cuda_emulator`` (the same sources compiled for
 the CPU with a warp-level emulator): that is how the contract tests cover these kernels without
@@ -49,9 +52,9 @@ except ImportError as exc:  # built only where nvcc was found
 
 _DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _INDEX = {torch.int32: 0, torch.int64: 1}
-IMPLS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3, "wgmma-tma": 4, "wgmma-pipe": 5}
-WGMMA_IMPLS = ("wgmma", "wgmma-tma", "wgmma-pipe")  # the Hopper prefill tiles (sm_90, head_dim <= 128)
-TMA_IMPLS = ("wgmma-tma", "wgmma-pipe")  # those loading K/V by TMA where the caches allow
+IMPLS = {"auto": 0, "simt": 1, "mma": 2, "wgmma": 3, "wgmma-tma": 4, "wgmma-pipe": 5, "wgmma-2wg": 6}
+WGMMA_IMPLS = ("wgmma", "wgmma-tma", "wgmma-pipe", "wgmma-2wg")  # the Hopper prefill tiles (sm_90, head_dim <= 128)
+TMA_IMPLS = ("wgmma-tma", "wgmma-pipe", "wgmma-2wg")  # those loading K/V by TMA where the caches allow
 
 _emulator = None  # the cuda_emulator module once use_emulator() was called
 
@@ -150,7 +153,8 @@ def paged_attention(
         # CUDA-core kernel runs and ignores them (asking the dispatcher first would cost a call).
         if impl != "simt" and q.dtype != torch.float32:
             if num_splits is None:
-                block_q = max(1, 64 // (dims.num_q_heads // dims.num_kv_heads))
+                rows = 128 if impl == "wgmma-2wg" else 64  # a prefill tile's rows
+                block_q = max(1, rows // (dims.num_q_heads // dims.num_kv_heads))
                 num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
             if num_splits > 1:
                 rows = (num_splits, dims.num_tokens, dims.num_q_heads)
@@ -175,9 +179,9 @@ def chosen_kernel(
 ) -> str:
     """The kernel ``paged_attention`` runs for these inputs: "mma" (tensor cores), "wgmma" (tensor
     cores, Hopper prefill tiles; only when asked for), "wgmma-tma" (those tiles with TMA loads),
-    "wgmma-pipe" (the TMA tiles pipelined) or "simt". A kernel asked for that cannot take the inputs
-    raises the ValueError ``paged_attention`` would (for a batch with tokens: an empty one returns
-    before any kernel is chosen)."""
+    "wgmma-pipe" (the TMA tiles pipelined), "wgmma-2wg" (those with two warpgroups a block) or
+    "simt". A kernel asked for that cannot take the inputs raises the ValueError ``paged_attention``
+    would (for a batch with tokens: an empty one returns before any kernel is chosen)."""
     _, args = _attention_call(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, None, q, impl)
     with _on(q.device):  # (wgmma's check reads the current device's compute capability)
         code = _lib(q).attention_impl(**args)

@@ -1,7 +1,7 @@
 """Which of our GPU attention kernels ``auto`` runs, per call shape: ``triton``, ``cuda``,
 ``cuda-wgmma`` (the cuda kernel with Hopper wgmma prefill tiles, sm_90 only), ``cuda-wgmma-tma``
-(those tiles with their K/V loaded by TMA where the page size allows) or ``cuda-wgmma-pipe`` (the
-TMA tiles pipelined).
+(those tiles with their K/V loaded by TMA where the page size allows), ``cuda-wgmma-pipe`` (the
+TMA tiles pipelined) or ``cuda-wgmma-2wg`` (those with two warpgroups a block, 128-row tiles).
 
 The choice comes from a table measured on the device and committed under
 ``minengine/ops/tuning/<device>.json``: ``python benchmarks/bench_attention.py --suite full
@@ -27,7 +27,7 @@ import torch
 from triton_kernels.contract import FLOAT_DTYPES
 
 TABLE_DIR = Path(__file__).resolve().parent / "tuning"
-CHOICES = ("triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe")
+CHOICES = ("triton", "cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe", "cuda-wgmma-2wg")
 MAX_REL_ERR = 2e-2  # a grid row further than this from triton's output disqualifies its backend
 KINDS = ("decode", "prefill", "mixed")
 
