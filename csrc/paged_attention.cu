@@ -194,7 +194,8 @@ __device__ __forceinline__ int block_kv_head(const MmaParams& p) { return kv_hea
 
 // Tile shapes for a head dim padded to D (64, 128 or 256): keys per stage and pipeline depth of
 // the prefill (4 warps x 16 rows) and decode (16 rows, 4 warps along keys) tiles, chosen so a
-// block needs at most about 70 KB of shared memory.
+// block needs at most about 70 KB of shared memory (the two-warpgroup kernel's decode tiles take
+// twice the keys a stage: 140 KB at D 128, one block an SM).
 template <int D> struct MmaShape {
   static constexpr int kPrefillKeys = D > 128 ? 32 : 64, kPrefillStages = 2;
   static constexpr int kDecodeKeys = 64, kDecodeStages = D > 128 ? 1 : 2;
@@ -696,7 +697,7 @@ __device__ __forceinline__ void store_key_tma(const MmaParams& p, const KeyLooku
   if (key == first && (threadIdx.x & 1) == 0) pages[(key - stage * KEYS) >> p.tma_shift] = tma ? k.page : -1;
 }
 
-// wgmma-tma, every thread: each warp issues its TMA chunks' loads (j = warp, warp + 4, ...; the warps
+// wgmma-tma, every thread: each warp issues its TMA chunks' loads (j = warp, warp + WARPS, ...; the warps
 // share the issue work) into the [D / 64][KEYS][64] swizzled buffers (chunk j at row j * tma_rows,
 // 1024-byte aligned as the swizzle pattern needs: tma_rows >= 8), then arrives on the stage
 // buffer's mbarrier (one arrival a warp) expecting their bytes; the barrier's transaction count may
@@ -741,7 +742,7 @@ __device__ __forceinline__ void issue_tma_chunks(const MmaParams& p, const int32
 // PIPE (FA3's intra-warpgroup overlap): stage t's S and stage t - 1's P V are issued together, and
 // the softmax of S runs while the P V does, so the tensor cores have work through it; O is rescaled
 // once the P V is in. Three stage buffers (t + 1 lands while t's K and t - 1's V are read), P of the
-// previous stage held in registers: about 30 more registers, two blocks an SM.
+// previous stage held in registers: about 30 more registers, two blocks an SM of one warpgroup.
 // WGS 2 (wgmma-2wg, TMA and PIPE): 128-row tiles, so each key crosses from L2 to shared memory once
 // for 128 rows instead of 64; one block an SM.
 template <typename T, int D, bool TMA, bool PIPE, int WGS = 1>
@@ -1179,6 +1180,10 @@ void launch_simt(const PagedAttentionArgs& a, const FastDiv& page, cudaStream_t 
 template <typename T, int D, bool WG, bool TMA = false, bool PIPE = false, int WGS = 1>
 void launch_mma_dim(const PagedAttentionArgs& a, const MmaParams& p, cudaStream_t stream) {
   auto kernel = attention_mma_kernel<T, D, WG, TMA, PIPE, WGS>;
+  if (p.tile_shift != (WGS == 2 ? 7 : 6)) {  // block_work's prefill tiles must be the kernel's (set_block_order)
+    throw std::logic_error("prefill tiles of 2^" + std::to_string(p.tile_shift) + " rows for a kernel of " +
+                           std::to_string(WGS) + " warpgroups");
+  }
   constexpr size_t smem = mma_smem_bytes<T, D, WG, TMA, PIPE, WGS>();
   set_max_dynamic_smem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   ME_LAUNCH(kernel, mma_grid(a, p), dim3(kThreads * WGS), smem, stream, p);
