@@ -13,10 +13,13 @@ cd "$(dirname "$0")/.."
 mkdir -p profiles/out
 rm -f profiles/out/ncu_*.txt profiles/out/ncu_summary.md  # (an earlier run's must not pass for this one's)
 rc=0
-backends="triton cuda"
+# most telling first, in case the phase's time runs out: the two-warpgroup tile (does it halve
+# the L2-to-SM traffic?), then the one-warpgroup forms, then sm_80's mma.sync tiles
+backends="triton"
 if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() != (9, 0))"; then
-  backends="$backends cuda-wgmma cuda-wgmma-tma cuda-wgmma-pipe cuda-wgmma-2wg"
+  backends="$backends cuda-wgmma-2wg cuda-wgmma-pipe cuda-wgmma-tma cuda-wgmma"
 fi
+backends="$backends cuda"
 # a section's table alone leaves out its breakdowns (the warp-stall reasons of WarpStateStats, the
 # pipe utilization of ComputeWorkloadAnalysis): print the sections' bodies too where ncu can
 details=""
