@@ -153,9 +153,11 @@ def paged_attention(
         # CUDA-core kernel runs and ignores them (asking the dispatcher first would cost a call).
         if impl != "simt" and q.dtype != torch.float32:
             if num_splits is None:
-                # a prefill tile's rows: 128 where wgmma-2wg runs (not its fallback to wgmma)
-                rows = 128 if impl == "wgmma-2wg" and lib.attention_impl(**args) == IMPLS[impl] else 64
-                block_q = max(1, rows // (dims.num_q_heads // dims.num_kv_heads))
+                # a prefill tile's rows: 128 for wgmma-2wg (on its fallback to wgmma's 64-row tiles, for
+                # caches TMA cannot load, this may pick up to twice the splits: same output, no
+                # dispatcher call per launch)
+                tile_rows = 128 if impl == "wgmma-2wg" else 64
+                block_q = max(1, tile_rows // (dims.num_q_heads // dims.num_kv_heads))
                 num_splits = pick_num_splits(dims.num_tokens, dims.num_seqs, block_q, dims.num_kv_heads, q.device)
             if num_splits > 1:
                 rows = (num_splits, dims.num_tokens, dims.num_q_heads)
