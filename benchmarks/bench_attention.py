@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from _common import RESULTS, header, save, stem
 from _common import report as make_report
+from canary import backends_for, run_canary
+from canary import failed as canary_failed
 
 TARGETS = {"a": ("kv_bw_frac", 0.85), "b": ("kv_bw_frac", 0.80), "c": ("tflops_frac", 0.50)}  # triton
 # The csrc issue's targets (H100/H200, bf16, 32/8/128, page 16), for the best of our kernels:
@@ -188,21 +190,24 @@ def run_case(
             picked, variants = triton_variants(batch, args.num_q_heads // args.num_kv_heads)
             row["triton_config"] = picked._asdict()
             later[case.name] = (batch, out, ours, fp64_error, variants)
-        if cuda_backend.available():
+        left_out = getattr(args, "canary_failed", {})  # backends whose canary run failed: not launched
+        if cuda_backend.available() and "cuda" not in left_out:
             theirs = lambda: cuda_backend.paged_attention(*batch.args(), out=out)  # noqa: E731
             row["cuda_ms"] = bench(theirs)
             row["cuda_rel_err_vs_fp64"] = fp64_error(theirs)
             row["cuda_kernel"] = cuda_backend.chosen_kernel(*batch.args())
-            if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
-                # the prefill tiles' K/V by cp.async, then by TMA, then by TMA and pipelined, then
-                # those with two warpgroups (128-row tiles)
-                for impl in cuda_backend.WGMMA_IMPLS:
-                    run = functools.partial(cuda_backend.paged_attention, *batch.args(), out=out, impl=impl)
-                    key = "cuda_" + impl.replace("-", "_")
-                    with contextlib.suppress(ValueError):  # a build without 9.0a
-                        row[f"{key}_kernel"] = cuda_backend.chosen_kernel(*batch.args(), impl=impl)
-                        row[f"{key}_rel_err_vs_fp64"] = fp64_error(run)
-                        row[f"{key}_ms"] = bench(run)
+        if cuda_backend.available() and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+            # the prefill tiles' K/V by cp.async, then by TMA, then by TMA and pipelined, then
+            # those with two warpgroups (128-row tiles)
+            for impl in cuda_backend.WGMMA_IMPLS:
+                if f"cuda-{impl}" in left_out:
+                    continue
+                run = functools.partial(cuda_backend.paged_attention, *batch.args(), out=out, impl=impl)
+                key = "cuda_" + impl.replace("-", "_")
+                with contextlib.suppress(ValueError):  # a build without 9.0a
+                    row[f"{key}_kernel"] = cuda_backend.chosen_kernel(*batch.args(), impl=impl)
+                    row[f"{key}_rel_err_vs_fp64"] = fp64_error(run)
+                    row[f"{key}_ms"] = bench(run)
     else:
         first = make(case.q_lens[: case.split_at], case.seq_lens[: case.split_at])
         second = make(case.q_lens[case.split_at :], case.seq_lens[case.split_at :])
@@ -562,7 +567,8 @@ def measure_config(
     if cuda_backend.available():
         for impl in ("auto", "simt") + (cuda_backend.WGMMA_IMPLS if hopper and d <= 128 else ()):
             name = "cuda" if impl == "auto" else f"cuda-{impl}"
-            runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
+            if name not in getattr(args, "canary_failed", {}):  # (a backend whose canary run failed)
+                runs[name] = lambda b=batch, o=out, i=impl: cuda_backend.paged_attention(*b.args(), out=o, impl=i)
     checks = {}  # backends whose timed run does not return our layout: what to check instead
     if flashinfer_in_grid(args, shape_name, page, dtype):
         baselines = flashinfer_baselines(args, dtype, hq, hkv, d, q_lens)
@@ -672,6 +678,11 @@ def markdown(report: dict) -> str:
             f"- FlashInfer JIT builds (modules compiled together): {state} after {jit['seconds']} s, "
             f"{len(jit['built'])} of {jit['builds']} baselines built (the others are left out){failed}"
         )
+    if (canary := report.get("canary")) is not None:
+        bad = {b: why for b, why in canary.items() if why != "ok"}
+        lines.append(f"- canary runs (each of ours once, small batches, a child process): {len(canary) - len(bad)} of "
+                     f"{len(canary)} passed" + (": " + ", ".join(canary) if not bad else ""))  # fmt: skip
+        lines += [f"- LEFT OUT of this run, {b} failed its canary run: {why}" for b, why in bad.items()]
     for name, why in report.get("failed_cases", {}).items():
         lines.append(f"- case {name} FAILED: {why}")
     if ceil:
@@ -847,6 +858,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-torch", action="store_true", help="skip timing the (slow) torch reference")
     parser.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer even where it is importable")
     parser.add_argument(
+        "--canary",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="first run each of our backends once in a child process (benchmarks/canary.py), and leave out of the "
+        "run those that fault, hang or are wrong; auto: on a GPU",
+    )
+    parser.add_argument(
         "--flashinfer-warmup",
         type=float,
         default=360,
@@ -922,7 +940,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
     selected = [c for c in cases(256 if args.smoke else 1) if c.name in args.cases]
     if args.smoke:
         selected = [Case(c.name, c.label, c.q_lens[:3], c.seq_lens[:3], c.split_at) for c in selected]
-    rows, ceilings, grid, left_out, stopped, failed, jit = [], {}, [], [], None, {}, None
+    rows, ceilings, grid, left_out, stopped, failed, jit, canary = [], {}, [], [], None, {}, None, None
     # a grid-only run (--cases '') has files of its own, beside the cases' report of another run
     prefix = "attention" if selected or args.suite != "full" else "attention_grid"
 
@@ -930,7 +948,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         targets = check_targets(rows) if {r["case"] for r in rows} >= set("abcde") else []
         report = make_report(
             argv, "bench_attention", device, args, rows, ceilings=ceilings, targets=targets, grid=grid,
-            grid_left_out=left_out, stopped_during=stopped, failed_cases=failed, flashinfer_jit=jit,
+            grid_left_out=left_out, stopped_during=stopped, failed_cases=failed, flashinfer_jit=jit, canary=canary,
         )  # fmt: skip
         save(args.out, stem(prefix, report), report, markdown(report))
         return report
@@ -950,6 +968,13 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         print(f"FlashInfer JIT builds: {jit or 'none to make (no GPU, or FlashInfer not importable)'}", flush=True)
         return {"flashinfer_jit": jit}
     try:  # a stop here still writes the report: what was measured, and where it stopped
+        if args.canary == "on" or (args.canary == "auto" and device.type == "cuda"):
+            # each of ours once, in a child process: one that faults, hangs or is wrong is left out
+            # (a sticky CUDA error or a hang here would end the run, every backend's rows after it)
+            stopped = "the canary runs"
+            canary = run_canary(backends_for(device.type), device=device.type)
+            args.canary_failed = canary_failed(canary)
+            print(f"canary: {canary}", flush=True)
         if builds:
             stopped = "FlashInfer's JIT builds"
             jit = warm()
@@ -959,8 +984,12 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         stopped = "the ceilings"
         ceilings = measure_ceilings(device, bench, args.smoke)
         later: dict[str, tuple] = {}
+        no_triton = getattr(args, "canary_failed", {}).get("triton")  # every row's base: no case, no grid
         for case in selected:
             stopped = f"case {case.name}"
+            if no_triton:
+                failed[case.name] = f"not run: triton failed its canary run ({no_triton})"
+                continue
             try:
                 rows.append(run_case(case, args, device, bench, ceilings, later))
             except Exception as exc:  # noqa: BLE001  (reported; the other cases and the grid go on)
@@ -986,7 +1015,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
     except Stopped:
         print(f"stopped by SIGTERM during {stopped}", flush=True)
     write()  # the cases' report before the grid: kept if the grid is cut off harder than SIGTERM
-    if args.suite == "full" and not stopped:
+    if args.suite == "full" and not stopped and not getattr(args, "canary_failed", {}).get("triton"):
         grid, left_out = run_grid(args, device, bench, ceilings, deadline)
     report = write()
     if args.write_tuning:

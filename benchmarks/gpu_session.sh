@@ -28,6 +28,9 @@
 # 8k tokens long, arrive over 50 s), `serving delayer`, grid (the tuning table), the rest of
 # engine, disagg; tests again when a session has the time (the CUDA kernels changed since they
 # passed). A group's run cut off by the budget is lost whole (bench_serving writes at its end).
+# Our kernels' first GPU runs go through benchmarks/canary.py first (bench_attention, ncu_kernels.sh,
+# and pytest's conftest): one that faults, hangs or is wrong is left out with the reason, instead
+# of a sticky CUDA error or a hang taking the rest of the phase with it.
 # Carry the `base` wheels for tests (it deselects FlashInfer's tests: their JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving. GPU_SKIP="NAME ..."
 # skips steps already measured (the rest of engine: GPU_SKIP=bench_decode).
@@ -124,8 +127,14 @@ case $PHASE in
     [ "$cases_budget" -lt 30 ] && cases_budget=30  # (timeout 0 would mean no limit)
     step bench_attention timeout -s TERM $cases_budget python3 benchmarks/bench_attention.py \
       --triton-variants --flashinfer-warmup 240 --out "$WORK/results"
+    # the backends bench_attention's canary runs left out (none: an empty list), for ncu to skip;
+    # no report with a canary (the step stopped before it): ncu's script runs the canary itself
+    if skip=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1])); c = r['canary']
+print(' '.join(b for b, why in c.items() if why != 'ok'))" "$WORK"/results/attention_*.json 2>/dev/null); then
+      export NCU_SKIP=$skip
+    fi
     step ncu bash profiles/ncu_kernels.sh
-    cp profiles/out/ncu_*.txt profiles/out/ncu_summary.md "$WORK/logs/" 2>/dev/null
+    cp profiles/out/ncu_*.txt profiles/out/ncu_summary.md profiles/out/canary.json "$WORK/logs/" 2>/dev/null
     ;;
   grid)
     # the 96 configs (4 shapes x pages 16, 64, 1 x bf16, fp16 x 4 kinds) with triton and the cuda

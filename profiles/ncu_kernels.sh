@@ -7,11 +7,13 @@
 # (those with two warpgroups a block: 128-row tiles).
 #   bash profiles/ncu_kernels.sh          -> profiles/out/ncu_<backend>.txt, and a row per kernel of
 #                                            each in profiles/out/ncu_summary.md (profiles/ncu_summary.py)
+# (NCU_OUT=DIR: those files in DIR instead of profiles/out)
 # A backend whose run fails does not stop the others; the exit code is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mkdir -p profiles/out
-rm -f profiles/out/ncu_*.txt profiles/out/ncu_summary.md  # (an earlier run's must not pass for this one's)
+OUT_DIR=${NCU_OUT:-profiles/out}
+mkdir -p "$OUT_DIR"
+rm -f "$OUT_DIR"/ncu_*.txt "$OUT_DIR/ncu_summary.md" "$OUT_DIR/canary.json"  # (an earlier run's must not pass for this one's)
 rc=0
 # most telling first, in case the phase's time runs out: the two-warpgroup tile (does it halve
 # the L2-to-SM traffic?), then the one-warpgroup forms, then sm_80's mma.sync tiles
@@ -20,6 +22,20 @@ if python3 -c "import sys, torch; sys.exit(torch.cuda.get_device_capability() !=
   backends="$backends cuda-wgmma-2wg cuda-wgmma-pipe cuda-wgmma-tma cuda-wgmma"
 fi
 backends="$backends cuda"
+# each once in a child process first (benchmarks/canary.py): one that faults, hangs or is wrong is
+# left out here (under ncu, a hung kernel would hold the rest of the phase). NCU_SKIP="NAME ..."
+# (set, even empty: gpu_session.sh passes what bench_attention's canary found) instead of a canary
+# run of its own; if the canary script itself fails, every backend is profiled.
+if [ -n "${NCU_SKIP+set}" ]; then
+  passed=$(for backend in $backends; do case " $NCU_SKIP " in *" $backend "*) ;; *) printf '%s ' "$backend" ;; esac; done)
+elif ! passed=$(python3 benchmarks/canary.py --passed --backends $backends 2> "$OUT_DIR/canary.json"); then
+  echo "the canary script failed ($OUT_DIR/canary.json); profiling every backend"
+  passed=$backends
+fi
+for backend in $backends; do
+  case " $passed " in *" $backend "*) ;; *) echo "ncu on $backend SKIPPED: failed its canary run"; rc=1 ;; esac
+done
+backends=$passed
 # a section's table alone leaves out its breakdowns (the warp-stall reasons of WarpStateStats, the
 # pipe utilization of ComputeWorkloadAnalysis): print the sections' bodies too where ncu can
 details=""
@@ -27,17 +43,18 @@ if ncu --help 2>/dev/null | grep -- "--print-details" > /dev/null; then  # no -q
   details="--print-details all"
 fi
 for backend in $backends; do
+  # a backend's profile is bounded (NCU_BACKEND_SECONDS, default 150): a hang costs that, not the phase
   # shellcheck disable=SC2086
-  ncu --clock-control none --target-processes all $details \
+  timeout -k 10 "${NCU_BACKEND_SECONDS:-150}" ncu --clock-control none --target-processes all $details \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section ComputeWorkloadAnalysis \
       --kernel-name regex:'attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \
-      python3 profiles/mixed_batch.py --backend $backend > profiles/out/ncu_$backend.txt \
-    && echo "wrote profiles/out/ncu_$backend.txt" || { echo "ncu on $backend FAILED"; rc=1; }
+      python3 profiles/mixed_batch.py --backend $backend > "$OUT_DIR/ncu_$backend.txt" \
+    && echo "wrote $OUT_DIR/ncu_$backend.txt" || { echo "ncu on $backend FAILED"; rc=1; }
 done
 reports=""
-for backend in $backends; do [ -s profiles/out/ncu_$backend.txt ] && reports="$reports profiles/out/ncu_$backend.txt"; done
+for backend in $backends; do [ -s "$OUT_DIR/ncu_$backend.txt" ] && reports="$reports $OUT_DIR/ncu_$backend.txt"; done
 # shellcheck disable=SC2086
-[ -n "$reports" ] && python3 profiles/ncu_summary.py $reports > profiles/out/ncu_summary.md \
-  && echo "wrote profiles/out/ncu_summary.md" || rc=1
+[ -n "$reports" ] && python3 profiles/ncu_summary.py $reports > "$OUT_DIR/ncu_summary.md" \
+  && echo "wrote $OUT_DIR/ncu_summary.md" || rc=1
 exit $rc

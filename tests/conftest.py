@@ -16,11 +16,65 @@ HAS_CUDA = torch.cuda.is_available()
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
+        canary_guard(items)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# On a GPU, every CUDA attention kernel the collected tests launch runs once first in a child
+# process (benchmarks/canary.py). An illegal address is a sticky CUDA error: a broken kernel would
+# fail every test after its own in this process, and a hang would hold the run. A test of a
+# kernel that faulted, hung or was wrong there fails at set-up with that reason, without launching
+# it. (MINENGINE_TEST_CANARY=0 turns this off.)
+_CANARY = pytest.StashKey[tuple[str, str]]()
+_CANARY_MODULES = ("test_cuda_kernels.py", "test_backend_logits.py")
+
+
+def cuda_backend_of(item: pytest.Item) -> str | None:
+    """The CUDA attention backend a test launches, as canary.py names it (None: none, or not known)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("kernels") == "cuda":
+        return "cuda"
+    if item.path.name not in _CANARY_MODULES:
+        return None
+    if isinstance(params.get("impl"), str):
+        return "cuda" if params["impl"] == "auto" else f"cuda-{params['impl']}"
+    backend = params.get("backend")
+    if isinstance(backend, str) and backend.startswith("cuda"):
+        return backend
+    return "cuda" if item.path.name == "test_cuda_kernels.py" else None
+
+
+def canary_guard(items: list[pytest.Item], run=None) -> dict[str, str]:
+    """Runs the canary for the tests' CUDA backends and marks the tests of those that failed it
+    (not of those whose calls were refused: their tests skip or check the refusal)."""
+    import sys
+    from pathlib import Path
+
+    from minengine.ops import cuda
+
+    wanted = sorted({b for item in items if (b := cuda_backend_of(item))})
+    if not wanted or os.environ.get("MINENGINE_TEST_CANARY") == "0" or (run is None and not cuda.available()):
+        return {}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import canary
+    finally:
+        sys.path.pop(0)
+    failures = canary.failed((run or canary.run_canary)(wanted), refused=False)
+    for item in items:
+        if (backend := cuda_backend_of(item)) in failures:
+            item.stash[_CANARY] = (backend, failures[backend])
+    return failures
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if (failed := item.stash.get(_CANARY, None)) is not None:
+        backend, why = failed
+        pytest.fail(f"not launched: {backend} failed its canary run (benchmarks/canary.py): {why}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,246 @@
+"""Each of our attention backends launched once on small batches, in a child process with time
+limits, before a GPU phase times them.
+
+A kernel's first run on a GPU can fault (an illegal address is a sticky CUDA error: every later
+call in the process fails with it), hang (an mbarrier phase that never completes: a blocked
+``synchronize`` ignores SIGTERM) or write wrong values. Any of the three would end a benchmark's
+run and lose the rows of every backend after it. The child runs the backends one at a time; one
+that fails, hangs or dies is reported with the reason and left out, and a new child goes on with
+the rest.
+
+    python benchmarks/canary.py                       # ours on this GPU; a JSON line {backend: "ok" | reason}
+    python benchmarks/canary.py --backends triton cuda-wgmma-2wg --passed   # also the passing names, on stdout
+
+Run by ``bench_attention.py`` (the backends that fail are left out of its cases and grid, and the
+report says why) and ``profiles/ncu_kernels.sh``. ``--device cpu`` runs the same batches through
+the Triton interpreter and the CUDA kernels' emulator, at smaller shapes (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+MARK = "CANARY "
+REFUSED = "refused: "  # how a reason starts where the call raised ValueError: it does not apply here
+# an output further than this from float64 is wrong (bf16 rounding alone is about 2.3e-3); the
+# same bound as bench_attention's MAX_REL_ERR_VS_FP64
+MAX_REL_ERR = 2e-2
+
+
+def backends_for(device: str = "cuda") -> list[str]:
+    """Our attention backends on this machine: triton; the cuda kernel (auto, simt) where
+    ``minengine._C`` is built or, on CPU, where its emulator can be; the Hopper impls on sm_90."""
+    import torch
+
+    from minengine.ops import cuda as cuda_backend
+
+    names = ["triton"]
+    if device == "cpu":
+        from minengine.ops import cuda_emulator
+
+        if not cuda_emulator.unavailable_reason():
+            names += ["cuda", "cuda-simt", *(f"cuda-{impl}" for impl in cuda_backend.WGMMA_IMPLS)]
+        return names
+    if cuda_backend.available():
+        names += ["cuda", "cuda-simt"]
+        if torch.cuda.get_device_capability() == (9, 0):
+            names += [f"cuda-{impl}" for impl in cuda_backend.WGMMA_IMPLS]
+    return names
+
+
+def _attention(backend: str) -> Callable:
+    import functools
+
+    import triton_kernels
+    from minengine.ops import cuda as cuda_backend
+
+    if backend == "triton":
+        return triton_kernels.paged_attention
+    if backend == "cuda":
+        return cuda_backend.paged_attention
+    impl = backend.removeprefix("cuda-")
+    if not backend.startswith("cuda-") or impl not in cuda_backend.IMPLS or impl == "auto":
+        allowed = ["triton", "cuda", *(f"cuda-{i}" for i in cuda_backend.IMPLS if i != "auto")]
+        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(allowed)}")
+    return functools.partial(cuda_backend.paged_attention, impl=impl)
+
+
+def batches(device: str) -> list[tuple[str, object]]:
+    """Small batches that reach each kernel's paths: prefill tiles over a prefix (whole, partial and
+    masked stages; a 280-row chunk's last 128-row tile is partly empty), decodes short and long
+    (split KV), 16-token pages (where the TMA tiles apply) and 1-token pages (their fallback)."""
+    import torch
+
+    from minengine.ops.testing import make_paged_batch
+
+    gpu = device != "cpu"
+    heads, d = ((32, 8), 128) if gpu else ((4, 2), 64)
+    mixed = ([70, 1, 1, 1, 33], [1100, 4100, 70, 17, 33]) if gpu else ([70, 1, 1, 9], [200, 300, 17, 9])
+    small = ([37, 1], [90, 70])
+    out = []
+    for name, (q_lens, seq_lens), page in (("mixed, page 16", mixed, 16), ("prefill + decode, page 1", small, 1)):
+        batch = make_paged_batch(
+            q_lens, seq_lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=d, page_size=page,
+            dtype=torch.bfloat16, device=device, generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        out.append((name, batch))
+    return out
+
+
+def child(backends: list[str], device: str) -> None:
+    """Each backend on each batch, output poisoned first and checked against float64; a line
+    ``CANARY start|ok|bad <backend> [reason]`` each, flushed, so the parent knows which one a
+    fault or a hang belongs to."""
+    if device == "cpu":  # (before Triton is imported: its kernels read it when they are defined)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from minengine.ops import reference
+    from minengine.ops.testing import relative_error
+
+    if device == "cpu":
+        from minengine.ops import cuda as cuda_backend
+
+        if any(b.startswith("cuda") for b in backends):
+            cuda_backend.use_emulator()
+    cases = batches(device)
+    expected = [reference.paged_attention(*batch.to_float64()) for _, batch in cases]
+    for backend in backends:
+        print(f"{MARK}start {backend}", flush=True)
+        reason = None
+        try:
+            attention = _attention(backend)
+            for (name, batch), ref in zip(cases, expected, strict=True):
+                out = torch.full_like(batch.q, float("nan"))
+                attention(*batch.args(), out=out)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                err = relative_error(out, ref)
+                if not err <= MAX_REL_ERR:  # (NaN: not <=)
+                    reason = f"{name}: relative error {err:.3g} against float64 (at most {MAX_REL_ERR})"
+                    break
+        except ValueError as exc:  # the call was refused (our checks: it does not apply here), nothing launched
+            reason = f"{REFUSED}ValueError: {str(exc)[:300]}"
+        except Exception as exc:  # noqa: BLE001  (a CUDA error: reported, the next one runs)
+            reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(f"{MARK}ok {backend}" if reason is None else f"{MARK}bad {backend} {reason}", flush=True)
+        if reason is not None and not reason.startswith(REFUSED) and device != "cpu":
+            # a CUDA error may be sticky: the rest go on in a fresh process
+            return
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: a compile it started goes too
+    proc.wait()
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    """The child's output lines into ``lines``, then None at its end."""
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+    lines.put(None)
+
+
+def run_canary(
+    backends: list[str],
+    seconds: float = 30.0,
+    startup_seconds: float = 240.0,
+    device: str = "cuda",
+    command: Callable[[list[str]], list[str]] | None = None,
+) -> dict[str, str]:
+    """``{backend: "ok" | reason}`` for each of ``backends``, run in child processes: a backend gets
+    ``seconds`` from its start line (``startup_seconds`` for the first in a child, whose time holds
+    the imports and CUDA's start, and for Triton's, which compiles); one that hangs or whose child
+    dies is marked with why, and a new child runs those left. ``command(backends)`` (tests) is the
+    child's command line."""
+    command = command or (lambda names: [sys.executable, str(Path(__file__).resolve()), "--child", device, *names])
+    results: dict[str, str] = {}
+    left = list(backends)
+    while left:
+        proc = subprocess.Popen(
+            command(left), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+        current, started, limit, since = None, False, startup_seconds, time.monotonic()
+        tail: deque[str] = deque(maxlen=3)
+        try:
+            while True:
+                try:
+                    line = lines.get(timeout=max(0.0, since + limit - time.monotonic()))
+                except queue.Empty:
+                    what = f"{current}'s" if current else "the canary process's start"
+                    reason = f"no result within {limit:g} s of {what} (a hang?)"
+                    break
+                if line is None:
+                    code = proc.wait()
+                    reason = f"its process ended (exit {code})" + (f": {tail[-1][:300]}" if tail else "")
+                    break
+                if not line.startswith(MARK):
+                    if line.strip():
+                        tail.append(line)
+                    continue
+                verb, _, rest = line[len(MARK) :].partition(" ")
+                name, _, why = rest.partition(" ")
+                if verb == "start":  # the first in a child also starts CUDA; Triton's compiles
+                    limit = startup_seconds if not started or name == "triton" else seconds
+                    current, started, since = name, True, time.monotonic()
+                elif verb in ("ok", "bad") and name == current:
+                    results[name] = "ok" if verb == "ok" else why or "failed"
+                    current = None
+        finally:
+            _kill(proc)
+        done = [b for b in left if b in results]
+        if current is not None and current not in results:
+            results[current] = reason
+        elif not done:  # it ended before any backend's result: the same reason for all
+            results.update({b: reason for b in left})
+        left = [b for b in left if b not in results]
+    return {b: results[b] for b in backends}
+
+
+def failed(results: dict[str, str], refused: bool = True) -> dict[str, str]:
+    """The backends that did not pass, with why; ``refused=False``: only those that faulted, hung or
+    were wrong, not those whose call was refused (a build without 9.0a, a GPU that is not sm_90)."""
+    return {b: why for b, why in results.items() if why != "ok" and (refused or not why.startswith(REFUSED))}
+
+
+def main(argv: list[str] | None = None) -> dict[str, str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", nargs="*", default=None, help="default: ours on this machine (backends_for)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--seconds", type=float, default=30.0, help="a backend's time limit (CUDA's kernels)")
+    parser.add_argument("--startup-seconds", type=float, default=240.0, help="the first's, and Triton's (compiles)")
+    parser.add_argument(
+        "--passed", action="store_true", help="print the backends that passed on stdout, the JSON on stderr"
+    )
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args(argv)
+    if args.child is not None:  # the child process: --child DEVICE BACKEND...
+        child(rest, args.child)
+        return {}
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    backends = args.backends if args.backends is not None else backends_for(args.device)
+    results = run_canary(backends, args.seconds, args.startup_seconds, args.device)
+    print(json.dumps(results), file=sys.stderr if args.passed else sys.stdout, flush=True)
+    if args.passed:
+        print(" ".join(b for b, why in results.items() if why == "ok"), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""benchmarks/canary.py: each of our backends once in a child process before a GPU run times them;
+one that hangs, dies (a sticky CUDA error) or writes wrong values is left out with the reason, and
+the rest still run."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+from test_bench_smoke import load_bench
+
+# A stand-in child: the backend's name says what it does.
+FAKE_CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    for name in sys.argv[1:]:
+        print("CANARY start " + name, flush=True)
+        if name.startswith("hang"):
+            time.sleep(60)
+        if name.startswith("die"):
+            print("RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
+            os._exit(3)
+        if name.startswith("bad"):
+            print("CANARY bad " + name + " mixed, page 16: relative error 0.9 against float64", flush=True)
+            sys.exit(0)  # as the real child on a GPU: the rest in a fresh process
+        print("CANARY ok " + name, flush=True)
+    """
+)
+
+
+def fake(names: list[str]) -> list[str]:
+    return [sys.executable, "-c", FAKE_CHILD, *names]
+
+
+def test_a_backend_that_hangs_dies_or_is_wrong_is_left_out_and_the_rest_still_run():
+    canary = load_bench("canary")
+    names = ["triton", "hang-1", "cuda", "die-1", "bad-1", "cuda-wgmma"]
+    results = canary.run_canary(names, seconds=1.0, startup_seconds=20.0, command=fake)
+    assert list(results) == names
+    assert results["triton"] == results["cuda"] == results["cuda-wgmma"] == "ok"
+    assert results["hang-1"] == "no result within 1 s of hang-1's (a hang?)"
+    assert results["die-1"].startswith("its process ended (exit 3): RuntimeError: CUDA error: an illegal memory")
+    assert results["bad-1"] == "mixed, page 16: relative error 0.9 against float64"
+    assert canary.failed(results).keys() == {"hang-1", "die-1", "bad-1"}
+
+
+def test_the_first_backend_of_a_child_and_tritons_get_the_startup_time():
+    canary = load_bench("canary")
+    slow = textwrap.dedent(
+        """
+        import sys, time
+        for name in sys.argv[1:]:
+            print("CANARY start " + name, flush=True)
+            time.sleep(1.5 if name in ("triton", "first") else 0)
+            print("CANARY ok " + name, flush=True)
+        """
+    )
+    command = lambda names: [sys.executable, "-c", slow, *names]  # noqa: E731
+    results = canary.run_canary(["first", "triton", "cuda"], seconds=0.5, startup_seconds=20.0, command=command)
+    assert results == {"first": "ok", "triton": "ok", "cuda": "ok"}
+
+
+def test_a_child_that_ends_before_any_backend_fails_them_all_once():
+    canary = load_bench("canary")
+    broken = lambda names: [sys.executable, "-c", "import sys; print('ImportError: no torch'); sys.exit(1)"]  # noqa: E731
+    results = canary.run_canary(["triton", "cuda"], seconds=1.0, startup_seconds=20.0, command=broken)
+    assert results == dict.fromkeys(["triton", "cuda"], "its process ended (exit 1): ImportError: no torch")
+    silent = lambda names: [sys.executable, "-c", "import time; time.sleep(60)"]  # noqa: E731
+    results = canary.run_canary(["triton"], seconds=1.0, startup_seconds=1.0, command=silent)
+    assert results == {"triton": "no result within 1 s of the canary process's start (a hang?)"}
+
+
+def test_the_child_checks_every_output_against_float64(monkeypatch, capsys):
+    """In process, on CPU: a backend writing wrong values or nothing (the output is poisoned) is
+    bad, one that raises is bad with its error; the others are ok."""
+    canary = load_bench("canary")
+    real = canary._attention
+
+    def attention(backend: str):
+        if backend == "wrong":
+            return lambda *args, out: out.zero_()
+        if backend == "nothing":
+            return lambda *args, out: out
+        return real(backend)
+
+    monkeypatch.setattr(canary, "_attention", attention)
+    canary.child(["wrong", "triton", "nothing", "cuda-nope"], "cpu")
+    lines = capsys.readouterr().out.splitlines()
+    verdicts = [line for line in lines if line.startswith("CANARY ") and not line.startswith("CANARY start")]
+    assert verdicts[0].startswith("CANARY bad wrong mixed, page 16: relative error 1 against float64")
+    assert verdicts[1] == "CANARY ok triton"
+    assert verdicts[2].startswith("CANARY bad nothing mixed, page 16: relative error nan")
+    assert verdicts[3].startswith(
+        "CANARY bad cuda-nope refused: ValueError: unknown backend 'cuda-nope'; allowed: triton,"
+    )
+
+
+def test_canary_passes_each_of_ours_on_cpu(capsys):
+    """The real child process: the Triton interpreter and the CUDA kernels' emulator (every impl,
+    the TMA ones on 16-token pages and their fallback on 1-token pages)."""
+    canary = load_bench("canary")
+    backends = canary.backends_for("cpu")
+    results = canary.main(["--device", "cpu", "--passed"])
+    assert results == dict.fromkeys(backends, "ok")
+    assert capsys.readouterr().out.split() == backends
+    from minengine.ops import cuda_emulator
+
+    if not cuda_emulator.unavailable_reason():
+        assert "cuda-wgmma-2wg" in backends and "cuda-simt" in backends
+
+
+def test_bench_attention_leaves_out_what_failed_its_canary_run(tmp_path, monkeypatch):
+    """The run's report lists the canary runs; a failed CUDA backend gets no column in the cases (nor
+    rows in the grid), and a failed triton (every row's base) runs no case."""
+    bench = load_bench()
+    from minengine.ops import cuda as cuda_backend
+
+    calls = []
+
+    def canary(backends, device="cuda"):
+        calls.append(device)
+        return {"triton": "ok", "cuda": "ok", "cuda-wgmma-2wg": "its process ended (exit -11)"}
+
+    monkeypatch.setattr(bench, "run_canary", canary)
+    report = bench.main(["--smoke", "--canary", "on", "--cases", "a", "--out", str(tmp_path)])
+    assert calls == ["cpu"] and [r["case"] for r in report["rows"]] == ["a"]
+    assert report["canary"]["cuda-wgmma-2wg"] == "its process ended (exit -11)"
+    text = (tmp_path / "attention_smoke.md").read_text()
+    assert "- canary runs (each of ours once, small batches, a child process): 2 of 3 passed" in text
+    assert "- LEFT OUT of this run, cuda-wgmma-2wg failed its canary run: its process ended (exit -11)" in text
+    report = bench.main(["--smoke", "--cases", "a", "--out", str(tmp_path)])  # auto: on a GPU only
+    assert report["canary"] is None and calls == ["cpu"]
+
+    monkeypatch.setattr(bench, "run_canary", lambda backends, device="cuda": {"triton": "hang", "cuda": "ok"})
+    report = bench.main(["--smoke", "--canary", "on", "--cases", "ab", "--suite", "full", "--out", str(tmp_path)])
+    assert report["rows"] == [] and report["grid"] == []
+    assert report["failed_cases"] == dict.fromkeys("ab", "not run: triton failed its canary run (hang)")
+
+    # the CUDA columns of a case and the grid's rows, on CPU through the emulator with a device
+    # that reads "cuda"
+    from minengine.ops import testing
+
+    cuda_backend.use_emulator()
+    try:
+        real = testing.make_paged_batch
+        monkeypatch.setattr(testing, "make_paged_batch", lambda *a, **k: real(*a, **{**k, "device": "cpu"}))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        monkeypatch.setattr(cuda_backend, "available", lambda: True)
+        gpu = types.SimpleNamespace(type="cuda")
+        left_out = {"cuda": "x", "cuda-wgmma-2wg": "y", "cuda-simt": "z"}
+        args = types.SimpleNamespace(
+            smoke=True, no_torch=True, no_flashinfer=True, flashinfer_grid="all", canary_failed=left_out,
+            num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16, triton_variants=False,
+        )  # fmt: skip
+        ceilings = {"copy_gbps": 1.0, "matmul_tflops": 1.0}
+        timer = bench.timer(torch.device("cpu"))
+        case = bench.Case("c", "prefill", (40,), (100,), None)
+        row = bench.run_case(case, args, gpu, timer, ceilings)
+        assert "cuda_wgmma_pipe_ms" in row and "cuda_wgmma_ms" in row
+        assert "cuda_ms" not in row and "cuda_wgmma_2wg_ms" not in row
+        rows = bench.measure_config(args, gpu, timer, ceilings, ("llama3-8b", 16, torch.bfloat16, "decode"))
+        backends = {r["backend"] for r in rows}
+        assert {"triton", "cuda-wgmma", "cuda-wgmma-tma"} <= backends
+        assert not backends & set(left_out)
+    finally:
+        cuda_backend.use_emulator(False)
+
+
+@pytest.mark.parametrize("skip", ["", "cuda-wgmma-2wg", None])
+def test_ncu_script_skips_what_the_canary_left_out(tmp_path, skip):
+    """profiles/ncu_kernels.sh with NCU_SKIP (from bench_attention's canary) profiles the rest;
+    without it, what its own canary run passes. A stand-in ncu and python3 record what ran."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "ran.txt"
+    (bin_dir / "ncu").write_text(f'#!/bin/bash\n[ "$1" = --help ] && exit 0\necho "${{@: -1}}" >> {log}\necho ok\n')
+    # python3: the capability check says sm_90, the canary passes three, the summary prints a line
+    (bin_dir / "python3").write_text(
+        '#!/bin/bash\ncase "$*" in *get_device_capability*) exit 0 ;;\n'
+        "  *canary.py*) echo '{}' >&2; echo triton cuda-wgmma cuda ;;\n  *ncu_summary*) echo summary ;; esac\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NCU_OUT": str(out)}
+    env.pop("NCU_SKIP", None)
+    if skip is not None:
+        env["NCU_SKIP"] = skip
+    done = subprocess.run(["bash", str(root / "profiles/ncu_kernels.sh")], env=env, capture_output=True, text=True)
+    ran = log.read_text().split()
+    every = ["triton", "cuda-wgmma-2wg", "cuda-wgmma-pipe", "cuda-wgmma-tma", "cuda-wgmma", "cuda"]
+    expected = ["triton", "cuda-wgmma", "cuda"] if skip is None else [b for b in every if b != skip]
+    assert ran == expected, done.stdout + done.stderr
+    assert done.returncode == (0 if skip == "" else 1), done.stdout + done.stderr
+    for backend in set(every) - set(expected):
+        assert f"ncu on {backend} SKIPPED: failed its canary run" in done.stdout
+    names = [f"ncu_{b}.txt" for b in ran] + ["ncu_summary.md"] + (["canary.json"] if skip is None else [])
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
+
+
+def test_gpu_test_runs_fail_the_tests_of_a_kernel_that_failed_its_canary_run(monkeypatch):
+    """conftest's guard (on a GPU, before the tests run): the tests launching a CUDA backend that
+    faulted, hung or was wrong fail at set-up with the reason; a refused backend's tests (a build
+    without 9.0a) and the others run."""
+    from pathlib import Path
+
+    import conftest
+
+    def item(module: str, **params):
+        return types.SimpleNamespace(
+            path=Path(module), callspec=types.SimpleNamespace(params=params), stash=pytest.Stash()
+        )
+
+    items = [
+        item("test_cuda_kernels.py", impl="wgmma-2wg", dtype=torch.bfloat16),
+        item("test_cuda_kernels.py", impl="auto"),
+        item("test_cuda_kernels.py"),  # the default impl
+        item("test_cuda_kernels.py", impl="wgmma-tma"),
+        item("test_backend_logits.py", backend="cuda-wgmma-2wg"),
+        item("test_backend_logits.py", backend="triton"),
+        item("test_paged_attention.py", kernels="cuda"),
+        item("test_paged_attention.py", kernels="triton"),
+        item("test_engine.py", impl="wgmma-2wg"),  # another module's `impl` is not a kernel
+    ]
+    asked = []
+
+    def run(backends):
+        asked.append(backends)
+        return {b: "ok" for b in backends} | {
+            "cuda-wgmma-2wg": "no result within 30 s of cuda-wgmma-2wg's (a hang?)",
+            "cuda-wgmma-tma": "refused: ValueError: the wgmma kernel needs a build with 9.0a",
+        }
+
+    failures = conftest.canary_guard(items, run=run)
+    assert asked == [["cuda", "cuda-wgmma-2wg", "cuda-wgmma-tma"]]
+    assert failures == {"cuda-wgmma-2wg": "no result within 30 s of cuda-wgmma-2wg's (a hang?)"}
+    failing = [i for i, it in enumerate(items) if conftest._CANARY in it.stash]
+    assert failing == [0, 4]
+    with pytest.raises(pytest.fail.Exception, match="not launched: cuda-wgmma-2wg failed its canary run"):
+        conftest.pytest_runtest_setup(items[0])
+    conftest.pytest_runtest_setup(items[1])  # no mark: runs
+    monkeypatch.setenv("MINENGINE_TEST_CANARY", "0")
+    assert conftest.canary_guard(items, run=run) == {} and len(asked) == 1
