@@ -249,3 +249,37 @@ def test_gpu_test_runs_fail_the_tests_of_a_kernel_that_failed_its_canary_run(mon
     conftest.pytest_runtest_setup(items[1])  # no mark: runs
     monkeypatch.setenv("MINENGINE_TEST_CANARY", "0")
     assert conftest.canary_guard(items, run=run) == {} and len(asked) == 1
+
+
+def test_memcheck_script_bounds_each_small_run_and_runs_every_kernel(tmp_path):
+    """profiles/memcheck.sh keeps the kernels that fail a canary run (the sanitizer is what says
+    where they go wrong), bounds each small-batch run (a hang costs MEMCHECK_RUN_SECONDS, and the
+    runs after it go on), and turns the tests' canary guard off. Stand-ins for compute-sanitizer
+    and python3 record what ran."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "ran.txt"
+    (bin_dir / "compute-sanitizer").write_text(  # "<tool> <backend, or pytest's second-last argument> canary=..."
+        "#!/bin/bash\n"
+        f'echo "$4 ${{@: -2:1}} canary=$MINENGINE_TEST_CANARY" >> {log}\n'
+        'case "$*" in *"cuda-wgmma-2wg --small"*) sleep 30 ;; esac\n'
+    )
+    (bin_dir / "python3").write_text("#!/bin/bash\nexit 0\n")  # the capability check: sm_90
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MEMCHECK_RUN_SECONDS": "1"}
+    done = subprocess.run(
+        ["bash", str(root / "profiles/memcheck.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
+    cuda = ["cuda", "cuda-wgmma", "cuda-wgmma-tma", "cuda-wgmma-pipe", "cuda-wgmma-2wg"]
+    expected = [f"{tool} {b} canary=0" for tool in ("racecheck", "synccheck") for b in cuda]
+    expected += [f"memcheck {b} canary=0" for b in ["triton", *cuda]] + ["memcheck -x canary=0", "memcheck -k canary=0"]
+    assert log.read_text().splitlines() == expected, done.stdout + done.stderr
+    failed = [line for line in done.stdout.splitlines() if line.startswith("== FAILED")]
+    assert len(failed) == 3 and all("--backend cuda-wgmma-2wg --small" in line for line in failed), failed
+    assert done.returncode == 1
