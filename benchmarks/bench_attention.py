@@ -682,7 +682,7 @@ def markdown(report: dict) -> str:
         bad = {b: why for b, why in canary.items() if why != "ok"}
         lines.append(f"- canary runs (each of ours once, small batches, a child process): {len(canary) - len(bad)} of "
                      f"{len(canary)} passed" + (": " + ", ".join(canary) if not bad else ""))  # fmt: skip
-        lines += [f"- LEFT OUT of this run, {b} failed its canary run: {why}" for b, why in bad.items()]
+        lines += [f"- LEFT OUT of this run, {b} did not pass its canary run: {why}" for b, why in bad.items()]
     for name, why in report.get("failed_cases", {}).items():
         lines.append(f"- case {name} FAILED: {why}")
     if ceil:
@@ -988,7 +988,7 @@ def run(args: argparse.Namespace, argv: list[str] | None, parser: argparse.Argum
         for case in selected:
             stopped = f"case {case.name}"
             if no_triton:
-                failed[case.name] = f"not run: triton failed its canary run ({no_triton})"
+                failed[case.name] = f"not run: triton did not pass its canary run ({no_triton})"
                 continue
             try:
                 rows.append(run_case(case, args, device, bench, ceilings, later))

@@ -129,6 +129,7 @@ case $PHASE in
       --triton-variants --flashinfer-warmup 240 --out "$WORK/results"
     # the backends bench_attention's canary runs left out (none: an empty list), for ncu to skip;
     # no report with a canary (the step stopped before it): ncu's script runs the canary itself
+    unset NCU_SKIP  # (not the caller's)
     if skip=$(python3 -c "import json, sys; r = json.load(open(sys.argv[1])); c = r['canary']
 print(' '.join(b for b, why in c.items() if why != 'ok'))" "$WORK"/results/attention_*.json 2>/dev/null); then
       export NCU_SKIP=$skip

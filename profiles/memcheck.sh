@@ -11,6 +11,8 @@
 #   bash profiles/memcheck.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=profiles/bounded.sh
+source profiles/bounded.sh
 # every tensor its own cudaMalloc: with torch's caching allocator, an access past a tensor's end
 # usually lands in the same cached block, where memcheck sees nothing wrong
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
@@ -26,7 +28,7 @@ sanitize() {  # sanitize SECONDS --tool T CMD...: one compute-sanitizer run (0 s
   local limit=$1
   shift
   echo "== compute-sanitizer $*"
-  timeout -k 10 "$limit" compute-sanitizer --error-exitcode 1 "$@" || { echo "== FAILED: compute-sanitizer $*"; rc=1; }
+  bounded "$limit" compute-sanitizer --error-exitcode 1 "$@" || { echo "== FAILED: compute-sanitizer $*"; rc=1; }
 }
 run_limit=${MEMCHECK_RUN_SECONDS:-120}
 for tool in racecheck synccheck; do

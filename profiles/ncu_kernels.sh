@@ -11,6 +11,8 @@
 # A backend whose run fails does not stop the others; the exit code is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=profiles/bounded.sh
+source profiles/bounded.sh
 OUT_DIR=${NCU_OUT:-profiles/out}
 mkdir -p "$OUT_DIR"
 rm -f "$OUT_DIR"/ncu_*.txt "$OUT_DIR/ncu_summary.md" "$OUT_DIR/canary.json"  # (an earlier run's must not pass for this one's)
@@ -28,12 +30,14 @@ backends="$backends cuda"
 # run of its own; if the canary script itself fails, every backend is profiled.
 if [ -n "${NCU_SKIP+set}" ]; then
   passed=$(for backend in $backends; do case " $NCU_SKIP " in *" $backend "*) ;; *) printf '%s ' "$backend" ;; esac; done)
-elif ! passed=$(python3 benchmarks/canary.py --passed --backends $backends 2> "$OUT_DIR/canary.json"); then
+# (shorter limits than the bench's: this step has about 150 s; Triton's compile is cached by then)
+elif ! passed=$(python3 benchmarks/canary.py --passed --seconds 20 --startup-seconds 90 --backends $backends \
+    2> "$OUT_DIR/canary.json"); then
   echo "the canary script failed ($OUT_DIR/canary.json); profiling every backend"
   passed=$backends
 fi
 for backend in $backends; do
-  case " $passed " in *" $backend "*) ;; *) echo "ncu on $backend SKIPPED: failed its canary run"; rc=1 ;; esac
+  case " $passed " in *" $backend "*) ;; *) echo "ncu on $backend SKIPPED: did not pass its canary run"; rc=1 ;; esac
 done
 backends=$passed
 # a section's table alone leaves out its breakdowns (the warp-stall reasons of WarpStateStats, the
@@ -45,7 +49,7 @@ fi
 for backend in $backends; do
   # a backend's profile is bounded (NCU_BACKEND_SECONDS, default 150): a hang costs that, not the phase
   # shellcheck disable=SC2086
-  timeout -k 10 "${NCU_BACKEND_SECONDS:-150}" ncu --clock-control none --target-processes all $details \
+  bounded "${NCU_BACKEND_SECONDS:-150}" ncu --clock-control none --target-processes all $details \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section ComputeWorkloadAnalysis \
       --kernel-name regex:'attention|merge_splits|store_kv|gather' --launch-skip 2 --launch-count 6 \

@@ -14,9 +14,11 @@ if not torch.cuda.is_available():
 HAS_CUDA = torch.cuda.is_available()
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected: the canary runs for the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
-        canary_guard(items)
+        if not config.option.collectonly:
+            canary_guard(items)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -24,11 +26,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# On a GPU, every CUDA attention kernel the collected tests launch runs once first in a child
-# process (benchmarks/canary.py). An illegal address is a sticky CUDA error: a broken kernel would
-# fail every test after its own in this process, and a hang would hold the run. A test of a
+# On a GPU, the CUDA attention kernels that the selected kernel tests launch run once first in a
+# child process (benchmarks/canary.py). An illegal address is a sticky CUDA error: a broken kernel
+# would fail every test after its own in this process, and a hang would hold the run. A test of a
 # kernel that faulted, hung or was wrong there fails at set-up with that reason, without launching
-# it. (MINENGINE_TEST_CANARY=0 turns this off.)
+# it. The tests: test_cuda_kernels.py's (its `impl` param; without one, `cuda`'s default impl),
+# test_backend_logits.py's `backend` param, and test_paged_attention.py's `kernels` param `cuda`;
+# engine tests that reach the kernel through a model are not guarded. (MINENGINE_TEST_CANARY=0
+# turns this off.)
 _CANARY = pytest.StashKey[tuple[str, str]]()
 _CANARY_MODULES = ("test_cuda_kernels.py", "test_backend_logits.py")
 
@@ -36,8 +41,8 @@ _CANARY_MODULES = ("test_cuda_kernels.py", "test_backend_logits.py")
 def cuda_backend_of(item: pytest.Item) -> str | None:
     """The CUDA attention backend a test launches, as canary.py names it (None: none, or not known)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
-    if params.get("kernels") == "cuda":
-        return "cuda"
+    if item.path.name == "test_paged_attention.py":  # (store_kv and the gather: other kernels)
+        return "cuda" if params.get("kernels") == "cuda" else None
     if item.path.name not in _CANARY_MODULES:
         return None
     if isinstance(params.get("impl"), str):

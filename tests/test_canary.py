@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 import types
 
 import pytest
@@ -41,26 +42,49 @@ def test_a_backend_that_hangs_dies_or_is_wrong_is_left_out_and_the_rest_still_ru
     results = canary.run_canary(names, seconds=1.0, startup_seconds=20.0, command=fake)
     assert list(results) == names
     assert results["triton"] == results["cuda"] == results["cuda-wgmma"] == "ok"
-    assert results["hang-1"] == "no result within 1 s of hang-1's (a hang?)"
+    assert results["hang-1"] == "no result within 1 s of hang-1's start (a hang?)"
     assert results["die-1"].startswith("its process ended (exit 3): RuntimeError: CUDA error: an illegal memory")
     assert results["bad-1"] == "mixed, page 16: relative error 0.9 against float64"
     assert canary.failed(results).keys() == {"hang-1", "die-1", "bad-1"}
 
 
-def test_the_first_backend_of_a_child_and_tritons_get_the_startup_time():
+def test_a_childs_start_and_tritons_compile_get_the_startup_time():
+    """A child's imports and CUDA's start (before its first line) and Triton's backend (it compiles)
+    get ``startup_seconds``; every other backend, the first of a child too, ``seconds``."""
     canary = load_bench("canary")
     slow = textwrap.dedent(
         """
         import sys, time
+        time.sleep(1.5)  # imports
         for name in sys.argv[1:]:
             print("CANARY start " + name, flush=True)
-            time.sleep(1.5 if name in ("triton", "first") else 0)
+            time.sleep(1.5 if name in ("triton", "slow") else 0)
             print("CANARY ok " + name, flush=True)
         """
     )
     command = lambda names: [sys.executable, "-c", slow, *names]  # noqa: E731
-    results = canary.run_canary(["first", "triton", "cuda"], seconds=0.5, startup_seconds=20.0, command=command)
-    assert results == {"first": "ok", "triton": "ok", "cuda": "ok"}
+    results = canary.run_canary(["cuda", "triton", "slow", "last"], seconds=0.5, startup_seconds=20.0, command=command)
+    assert results == {
+        "cuda": "ok", "triton": "ok", "slow": "no result within 0.5 s of slow's start (a hang?)", "last": "ok"
+    }  # fmt: skip
+
+
+def test_the_childs_lines_are_read_whatever_comes_before_them():
+    """A native library's unfinished line before a mark, bytes that are not UTF-8, and a reason that
+    came in several lines (the child joins them)."""
+    canary = load_bench("canary")
+    noisy = textwrap.dedent(
+        """
+        import sys
+        out = sys.stdout.buffer
+        out.write(b"CANARY start a\\n\\xff\\xfe not utf-8\\n[native] half a line CANARY ok a\\n")
+        out.write(b"CANARY start b\\nCANARY bad b CompilationError: at 12:4: / x = y\\n")
+        out.flush()
+        """
+    )
+    command = lambda names: [sys.executable, "-c", noisy]  # noqa: E731
+    results = canary.run_canary(["a", "b"], seconds=5.0, startup_seconds=20.0, command=command)
+    assert results == {"a": "ok", "b": "CompilationError: at 12:4: / x = y"}
 
 
 def test_a_child_that_ends_before_any_backend_fails_them_all_once():
@@ -70,34 +94,52 @@ def test_a_child_that_ends_before_any_backend_fails_them_all_once():
     assert results == dict.fromkeys(["triton", "cuda"], "its process ended (exit 1): ImportError: no torch")
     silent = lambda names: [sys.executable, "-c", "import time; time.sleep(60)"]  # noqa: E731
     results = canary.run_canary(["triton"], seconds=1.0, startup_seconds=1.0, command=silent)
-    assert results == {"triton": "no result within 1 s of the canary process's start (a hang?)"}
+    assert results == {"triton": "no result within 1 s of the process's start (a hang?)"}
 
 
-def test_the_child_checks_every_output_against_float64(monkeypatch, capsys):
-    """In process, on CPU: a backend writing wrong values or nothing (the output is poisoned) is
-    bad, one that raises is bad with its error; the others are ok."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the child on CPU, in this process")
+def test_the_child_checks_every_sequences_output_against_float64(monkeypatch, capsys):
+    """In process, on CPU: a backend writing wrong values, nothing (the output is poisoned), or one
+    long decode's row as zeros (a failed split merge: within 2e-2 of float64 over the whole batch)
+    is bad, one that raises is bad with its error; the others are ok."""
     canary = load_bench("canary")
+    from minengine.ops import cuda as cuda_backend
+
     real = canary._attention
+
+    def zero_long_decode(*args, out):
+        real("triton")(*args, out=out)
+        out[70].zero_()  # the decode at 300 keys
+        return out
 
     def attention(backend: str):
         if backend == "wrong":
             return lambda *args, out: out.zero_()
         if backend == "nothing":
             return lambda *args, out: out
+        if backend == "one-row":
+            return zero_long_decode
         return real(backend)
 
     monkeypatch.setattr(canary, "_attention", attention)
-    canary.child(["wrong", "triton", "nothing", "cuda-nope"], "cpu")
+    (_, batch), _ = canary.batches("cpu")
+    assert batch.seq_lens_host[1] == 300 and batch.q_lens[:2] == [70, 1]
+    try:
+        canary.child(["wrong", "triton", "nothing", "cuda-nope", "one-row"], "cpu")
+    finally:
+        cuda_backend.use_emulator(False)
     lines = capsys.readouterr().out.splitlines()
     verdicts = [line for line in lines if line.startswith("CANARY ") and not line.startswith("CANARY start")]
     assert verdicts[0].startswith("CANARY bad wrong mixed, page 16: relative error 1 against float64")
     assert verdicts[1] == "CANARY ok triton"
     assert verdicts[2].startswith("CANARY bad nothing mixed, page 16: relative error nan")
+    assert verdicts[4].startswith("CANARY bad one-row mixed, page 16: relative error 1 against float64 (a sequence's")
     assert verdicts[3].startswith(
         "CANARY bad cuda-nope refused: ValueError: unknown backend 'cuda-nope'; allowed: triton,"
     )
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run (on a GPU, the bench runs the canary)")
 def test_canary_passes_each_of_ours_on_cpu(capsys):
     """The real child process: the Triton interpreter and the CUDA kernels' emulator (every impl,
     the TMA ones on 16-token pages and their fallback on 1-token pages)."""
@@ -106,12 +148,41 @@ def test_canary_passes_each_of_ours_on_cpu(capsys):
     results = canary.main(["--device", "cpu", "--passed"])
     assert results == dict.fromkeys(backends, "ok")
     assert capsys.readouterr().out.split() == backends
+    from minengine.ops import cuda as cuda_backend
     from minengine.ops import cuda_emulator
 
     if not cuda_emulator.unavailable_reason():
         assert "cuda-wgmma-2wg" in backends and "cuda-simt" in backends
+        cuda_backend.use_emulator()
+        try:
+            (_, tma), (_, fallback) = canary.batches("cpu")
+            assert cuda_backend.chosen_kernel(*tma.args(), impl="wgmma-2wg") == "wgmma-2wg"
+            assert cuda_backend.chosen_kernel(*fallback.args(), impl="wgmma-2wg") == "wgmma"
+        finally:
+            cuda_backend.use_emulator(False)
 
 
+def test_bounded_runs_end_with_their_script(tmp_path):
+    """profiles/bounded.sh: a caller's time limit on the script (SIGTERM to its process group) also
+    ends the bounded command, which GNU timeout had put in a group of its own."""
+    import subprocess
+    import uuid
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    marker = f"27.{uuid.uuid4().int % 10**6:06d}"
+    script = f"source {root}/profiles/bounded.sh; bounded 30 sleep {marker}; echo after"
+    done = subprocess.run(["timeout", "1", "bash", "-c", script], capture_output=True, text=True)
+    assert done.returncode == 124 and "after" not in done.stdout
+    time.sleep(0.5)
+    alive = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout
+    subprocess.run(["pkill", "-f", f"sleep {marker}"])
+    assert not alive
+    done = subprocess.run(["bash", "-c", f"source {root}/profiles/bounded.sh; bounded 1 sleep 5"])
+    assert done.returncode == 124
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="smoke runs on CPU")
 def test_bench_attention_leaves_out_what_failed_its_canary_run(tmp_path, monkeypatch):
     """The run's report lists the canary runs; a failed CUDA backend gets no column in the cases (nor
     rows in the grid), and a failed triton (every row's base) runs no case."""
@@ -130,14 +201,14 @@ def test_bench_attention_leaves_out_what_failed_its_canary_run(tmp_path, monkeyp
     assert report["canary"]["cuda-wgmma-2wg"] == "its process ended (exit -11)"
     text = (tmp_path / "attention_smoke.md").read_text()
     assert "- canary runs (each of ours once, small batches, a child process): 2 of 3 passed" in text
-    assert "- LEFT OUT of this run, cuda-wgmma-2wg failed its canary run: its process ended (exit -11)" in text
+    assert "- LEFT OUT of this run, cuda-wgmma-2wg did not pass its canary run: its process ended (exit -11)" in text
     report = bench.main(["--smoke", "--cases", "a", "--out", str(tmp_path)])  # auto: on a GPU only
     assert report["canary"] is None and calls == ["cpu"]
 
     monkeypatch.setattr(bench, "run_canary", lambda backends, device="cuda": {"triton": "hang", "cuda": "ok"})
     report = bench.main(["--smoke", "--canary", "on", "--cases", "ab", "--suite", "full", "--out", str(tmp_path)])
     assert report["rows"] == [] and report["grid"] == []
-    assert report["failed_cases"] == dict.fromkeys("ab", "not run: triton failed its canary run (hang)")
+    assert report["failed_cases"] == dict.fromkeys("ab", "not run: triton did not pass its canary run (hang)")
 
     # the CUDA columns of a case and the grid's rows, on CPU through the emulator with a device
     # that reads "cuda"
@@ -201,7 +272,7 @@ def test_ncu_script_skips_what_the_canary_left_out(tmp_path, skip):
     assert ran == expected, done.stdout + done.stderr
     assert done.returncode == (0 if skip == "" else 1), done.stdout + done.stderr
     for backend in set(every) - set(expected):
-        assert f"ncu on {backend} SKIPPED: failed its canary run" in done.stdout
+        assert f"ncu on {backend} SKIPPED: did not pass its canary run" in done.stdout
     names = [f"ncu_{b}.txt" for b in ran] + ["ncu_summary.md"] + (["canary.json"] if skip is None else [])
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
 
@@ -229,19 +300,20 @@ def test_gpu_test_runs_fail_the_tests_of_a_kernel_that_failed_its_canary_run(mon
         item("test_paged_attention.py", kernels="cuda"),
         item("test_paged_attention.py", kernels="triton"),
         item("test_engine.py", impl="wgmma-2wg"),  # another module's `impl` is not a kernel
+        item("test_store_kv.py", kernels="cuda"),  # the kernels fixture's other kernels
     ]
     asked = []
 
     def run(backends):
         asked.append(backends)
         return {b: "ok" for b in backends} | {
-            "cuda-wgmma-2wg": "no result within 30 s of cuda-wgmma-2wg's (a hang?)",
+            "cuda-wgmma-2wg": "no result within 30 s of cuda-wgmma-2wg's start (a hang?)",
             "cuda-wgmma-tma": "refused: ValueError: the wgmma kernel needs a build with 9.0a",
         }
 
     failures = conftest.canary_guard(items, run=run)
     assert asked == [["cuda", "cuda-wgmma-2wg", "cuda-wgmma-tma"]]
-    assert failures == {"cuda-wgmma-2wg": "no result within 30 s of cuda-wgmma-2wg's (a hang?)"}
+    assert failures == {"cuda-wgmma-2wg": "no result within 30 s of cuda-wgmma-2wg's start (a hang?)"}
     failing = [i for i, it in enumerate(items) if conftest._CANARY in it.stash]
     assert failing == [0, 4]
     with pytest.raises(pytest.fail.Exception, match="not launched: cuda-wgmma-2wg failed its canary run"):
@@ -283,3 +355,46 @@ def test_memcheck_script_bounds_each_small_run_and_runs_every_kernel(tmp_path):
     failed = [line for line in done.stdout.splitlines() if line.startswith("== FAILED")]
     assert len(failed) == 3 and all("--backend cuda-wgmma-2wg --small" in line for line in failed), failed
     assert done.returncode == 1
+
+
+def test_a_child_dies_with_its_canary_parent(tmp_path):
+    """The parent killed outright (no clean-up runs): its child, in a session of its own, goes too,
+    so a hung kernel's process does not outlive the run."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    pid_file = tmp_path / "child.pid"
+    child = (
+        f"import os, sys, time; sys.path.insert(0, {str(benchmarks)!r}); import canary; "
+        f"canary.die_with_parent(int(sys.argv[1])); open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+        "print('CANARY start hang', flush=True); time.sleep(60)"
+    )
+    parent = (
+        f"import os, sys; sys.path.insert(0, {str(benchmarks)!r}); import canary; "
+        f"canary.run_canary(['hang'], seconds=60, command=lambda names: [sys.executable, '-c', {child!r}, "
+        "str(os.getpid())])"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        child_pid = int(pid_file.read_text())
+        os.kill(child_pid, 0)  # alive
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        for _ in range(100):
+            try:
+                os.kill(child_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child_pid, signal.SIGKILL)
+            raise AssertionError("the child outlived its parent")
+    finally:
+        proc.kill()
