@@ -241,6 +241,7 @@ def run_canary(
                 if verb == "start":
                     limit = startup_seconds if name == "triton" else seconds
                     current, since = name, time.monotonic()
+                    tail.clear()  # (a crash is told by its own backend's output)
                 elif verb in ("ok", "bad") and name == current:
                     results[name] = "ok" if verb == "ok" else why or "failed"
                     current, last, limit, since = None, name, seconds, time.monotonic()

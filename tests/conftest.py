@@ -30,12 +30,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # child process (benchmarks/canary.py). An illegal address is a sticky CUDA error: a broken kernel
 # would fail every test after its own in this process, and a hang would hold the run. A test of a
 # kernel that faulted, hung or was wrong there fails at set-up with that reason, without launching
-# it. The tests: test_cuda_kernels.py's (its `impl` param; without one, `cuda`'s default impl),
+# it. The tests: test_cuda_kernels.py's on its `dev` fixture (its `impl` param; without one, `cuda`'s),
 # test_backend_logits.py's `backend` param, and test_paged_attention.py's `kernels` param `cuda`;
 # engine tests that reach the kernel through a model are not guarded. (MINENGINE_TEST_CANARY=0
 # turns this off.)
 _CANARY = pytest.StashKey[tuple[str, str]]()
-_CANARY_MODULES = ("test_cuda_kernels.py", "test_backend_logits.py")
 
 
 def cuda_backend_of(item: pytest.Item) -> str | None:
@@ -43,14 +42,13 @@ def cuda_backend_of(item: pytest.Item) -> str | None:
     params = getattr(getattr(item, "callspec", None), "params", {})
     if item.path.name == "test_paged_attention.py":  # (store_kv and the gather: other kernels)
         return "cuda" if params.get("kernels") == "cuda" else None
-    if item.path.name not in _CANARY_MODULES:
-        return None
-    if isinstance(params.get("impl"), str):
-        return "cuda" if params["impl"] == "auto" else f"cuda-{params['impl']}"
-    backend = params.get("backend")
-    if isinstance(backend, str) and backend.startswith("cuda"):
-        return backend
-    return "cuda" if item.path.name == "test_cuda_kernels.py" else None
+    if item.path.name == "test_backend_logits.py":  # (its `impl` tests are the emulator's)
+        backend = params.get("backend")
+        return backend if isinstance(backend, str) and backend.startswith("cuda") else None
+    if item.path.name == "test_cuda_kernels.py" and "dev" in item.fixturenames:  # (the others launch nothing)
+        impl = params.get("impl", "auto")
+        return "cuda" if impl == "auto" else f"cuda-{impl}"
+    return None
 
 
 def canary_guard(items: list[pytest.Item], run=None) -> dict[str, str]:

@@ -24,6 +24,10 @@ FAKE_CHILD = textwrap.dedent(
         if name.startswith("die"):
             print("RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
             os._exit(3)
+        if name.startswith("warn"):
+            print("UserWarning: something about " + name, flush=True)
+        if name.startswith("silent"):
+            os._exit(4)
         if name.startswith("bad"):
             print("CANARY bad " + name + " mixed, page 16: relative error 0.9 against float64", flush=True)
             sys.exit(0)  # as the real child on a GPU: the rest in a fresh process
@@ -38,14 +42,16 @@ def fake(names: list[str]) -> list[str]:
 
 def test_a_backend_that_hangs_dies_or_is_wrong_is_left_out_and_the_rest_still_run():
     canary = load_bench("canary")
-    names = ["triton", "hang-1", "cuda", "die-1", "bad-1", "cuda-wgmma"]
+    names = ["triton", "hang-1", "cuda", "die-1", "bad-1", "cuda-wgmma", "warn-1", "silent-1"]
     results = canary.run_canary(names, seconds=1.0, startup_seconds=20.0, command=fake)
     assert list(results) == names
     assert results["triton"] == results["cuda"] == results["cuda-wgmma"] == "ok"
     assert results["hang-1"] == "no result within 1 s of hang-1's start (a hang?)"
     assert results["die-1"].startswith("its process ended (exit 3): RuntimeError: CUDA error: an illegal memory")
     assert results["bad-1"] == "mixed, page 16: relative error 0.9 against float64"
-    assert canary.failed(results).keys() == {"hang-1", "die-1", "bad-1"}
+    assert results["warn-1"] == "ok"
+    assert results["silent-1"] == "its process ended (exit 4)"  # (not told by warn-1's output)
+    assert canary.failed(results).keys() == {"hang-1", "die-1", "bad-1", "silent-1"}
 
 
 def test_a_childs_start_and_tritons_compile_get_the_startup_time():
@@ -100,8 +106,9 @@ def test_a_child_that_ends_before_any_backend_fails_them_all_once():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the child on CPU, in this process")
 def test_the_child_checks_every_sequences_output_against_float64(monkeypatch, capsys):
     """In process, on CPU: a backend writing wrong values, nothing (the output is poisoned), or one
-    long decode's row as zeros (a failed split merge: within 2e-2 of float64 over the whole batch)
-    is bad, one that raises is bad with its error; the others are ok."""
+    long decode's row as zeros (a failed split merge; on the GPU batch, within 2e-2 of float64 over
+    the whole batch) is bad, with that sequence's error; one that raises is bad with its error, in
+    one line; the others are ok."""
     canary = load_bench("canary")
     from minengine.ops import cuda as cuda_backend
 
@@ -119,13 +126,15 @@ def test_the_child_checks_every_sequences_output_against_float64(monkeypatch, ca
             return lambda *args, out: out
         if backend == "one-row":
             return zero_long_decode
+        if backend == "raises":
+            return lambda *args, out: (_ for _ in ()).throw(RuntimeError("CUDA error\nat line 2"))
         return real(backend)
 
     monkeypatch.setattr(canary, "_attention", attention)
     (_, batch), _ = canary.batches("cpu")
     assert batch.seq_lens_host[1] == 300 and batch.q_lens[:2] == [70, 1]
     try:
-        canary.child(["wrong", "triton", "nothing", "cuda-nope", "one-row"], "cpu")
+        canary.child(["wrong", "triton", "nothing", "cuda-nope", "one-row", "raises"], "cpu")
     finally:
         cuda_backend.use_emulator(False)
     lines = capsys.readouterr().out.splitlines()
@@ -134,6 +143,7 @@ def test_the_child_checks_every_sequences_output_against_float64(monkeypatch, ca
     assert verdicts[1] == "CANARY ok triton"
     assert verdicts[2].startswith("CANARY bad nothing mixed, page 16: relative error nan")
     assert verdicts[4].startswith("CANARY bad one-row mixed, page 16: relative error 1 against float64 (a sequence's")
+    assert verdicts[5] == "CANARY bad raises RuntimeError: CUDA error / at line 2"
     assert verdicts[3].startswith(
         "CANARY bad cuda-nope refused: ValueError: unknown backend 'cuda-nope'; allowed: triton,"
     )
@@ -180,6 +190,19 @@ def test_bounded_runs_end_with_their_script(tmp_path):
     assert not alive
     done = subprocess.run(["bash", "-c", f"source {root}/profiles/bounded.sh; bounded 1 sleep 5"])
     assert done.returncode == 124
+    # SIGTERM to the script alone: passed on to the command, waited for, exit 143
+    marker = f"28.{uuid.uuid4().int % 10**6:06d}"
+    script = f"source {root}/profiles/bounded.sh; bounded 30 sleep {marker} > {tmp_path}/out; echo after"
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True)
+    for _ in range(100):
+        if subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.05)
+    proc.terminate()
+    assert proc.wait(timeout=15) == 143 and "after" not in proc.stdout.read()
+    alive = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout
+    subprocess.run(["pkill", "-f", f"sleep {marker}"])
+    assert not alive
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="smoke runs on CPU")
@@ -285,10 +308,11 @@ def test_gpu_test_runs_fail_the_tests_of_a_kernel_that_failed_its_canary_run(mon
 
     import conftest
 
-    def item(module: str, **params):
+    def item(module: str, fixtures=("dev",), **params):
         return types.SimpleNamespace(
-            path=Path(module), callspec=types.SimpleNamespace(params=params), stash=pytest.Stash()
-        )
+            path=Path(module), callspec=types.SimpleNamespace(params=params), stash=pytest.Stash(),
+            fixturenames=list(fixtures),
+        )  # fmt: skip
 
     items = [
         item("test_cuda_kernels.py", impl="wgmma-2wg", dtype=torch.bfloat16),
@@ -301,6 +325,8 @@ def test_gpu_test_runs_fail_the_tests_of_a_kernel_that_failed_its_canary_run(mon
         item("test_paged_attention.py", kernels="triton"),
         item("test_engine.py", impl="wgmma-2wg"),  # another module's `impl` is not a kernel
         item("test_store_kv.py", kernels="cuda"),  # the kernels fixture's other kernels
+        item("test_cuda_kernels.py", fixtures=()),  # no `dev`: launches nothing (fast_div)
+        item("test_backend_logits.py", impl="wgmma-2wg"),  # the emulator's
     ]
     asked = []
 
@@ -355,6 +381,18 @@ def test_memcheck_script_bounds_each_small_run_and_runs_every_kernel(tmp_path):
     failed = [line for line in done.stdout.splitlines() if line.startswith("== FAILED")]
     assert len(failed) == 3 and all("--backend cuda-wgmma-2wg --small" in line for line in failed), failed
     assert done.returncode == 1
+
+
+def test_a_child_whose_parent_is_already_gone_exits():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "canary.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--parent", "1", "--child", "cpu", "triton"], capture_output=True, text=True
+    )
+    assert done.returncode == 1 and "the canary's parent process is gone" in done.stderr
+    assert "CANARY" not in done.stdout
 
 
 def test_a_child_dies_with_its_canary_parent(tmp_path):
