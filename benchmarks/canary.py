@@ -77,11 +77,12 @@ def _attention(backend: str) -> Callable:
     return functools.partial(cuda_backend.paged_attention, impl=impl)
 
 
-def batches(device: str) -> list[tuple[str, object]]:
-    """Small batches that reach each kernel's paths: prefill tiles over a prefix (whole, partial and
-    masked stages; on a GPU, a 280-row chunk's last 128-row tile is partly empty), decodes short and
-    long (split KV on the CUDA kernels), 16-token pages (where the TMA tiles apply) and 1-token
-    pages (their fallback; the CUDA backends only)."""
+def batches(device: str) -> list[tuple[str, object, Callable[[str], bool]]]:
+    """Small batches that reach each kernel's paths, with the backends each is for: prefill tiles
+    over a prefix (whole, partial and masked stages; on a GPU, a 280-row chunk's last 128-row tile is
+    partly empty), decodes short and long (split KV on the CUDA kernels), 16-token pages (where the
+    TMA tiles apply) and 1-token pages (their fallback); then, for the CUDA kernels, the grid's other
+    instantiations: fp16 at head dim 64, and head dim 256 (not the wgmma tiles', up to 128)."""
     import dataclasses
 
     import torch
@@ -89,22 +90,39 @@ def batches(device: str) -> list[tuple[str, object]]:
     from minengine.ops.testing import aligned_rows, make_paged_batch
 
     gpu = device != "cpu"
-    heads, d = ((32, 8), 128) if gpu else ((4, 2), 64)
     # 16 sequences and 117 tokens: Triton specializes integer arguments on divisibility by 16, as
     # for case d's 64 sequences and 2111 tokens
     decodes = [4100, 70, 17, 1, 2, 15, 16, 63, 64, 65, 127, 128, 129, 300]
     mixed = ([70] + [1] * 14 + [33], [1100, *decodes, 33]) if gpu else ([70, 1, 1, 9], [200, 300, 17, 9])
-    small = ([37, 1], [90, 70])
+    other = ([40, 1, 1], [300, 2100, 17]) if gpu else ([20, 1, 1], [90, 300, 17])
+    bf16, fp16 = torch.bfloat16, torch.float16
+
+    def every(backend: str) -> bool:
+        return True
+
+    def cuda(backend: str) -> bool:
+        return backend.startswith("cuda")
+
+    def not_wgmma(backend: str) -> bool:
+        return cuda(backend) and "wgmma" not in backend
+
+    specs = (  # name, (q_lens, seq_lens), page, dtype, (Hq, Hkv, D) on a GPU and on CPU, for
+        ("mixed, page 16", mixed, 16, bf16, (32, 8, 128), (4, 2, 64), every),
+        ("prefill + decode, page 1", ([37, 1], [90, 70]), 1, bf16, (32, 8, 128), (4, 2, 64), cuda),
+        ("fp16, head dim 64", other, 16, fp16, (32, 8, 64), (4, 2, 64), cuda),
+        ("head dim 256", other, 16, bf16, (16, 4, 256), (4, 2, 256), not_wgmma),
+    )
     out = []
-    for name, (q_lens, seq_lens), page in (("mixed, page 16", mixed, 16), ("prefill + decode, page 1", small, 1)):
+    for name, (q_lens, seq_lens), page, dtype, gpu_shape, cpu_shape, runs in specs:
+        hq, hkv, d = gpu_shape if gpu else cpu_shape
         batch = make_paged_batch(
-            q_lens, seq_lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=d, page_size=page,
-            dtype=torch.bfloat16, device=device, generator=torch.Generator().manual_seed(0),
+            q_lens, seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=dtype,
+            device=device, generator=torch.Generator().manual_seed(0),
         )  # fmt: skip
         if not gpu and page == 16:  # CPU tensors are 64-byte aligned: the TMA tiles need 128
             k, v = aligned_rows(batch.k_cache), aligned_rows(batch.v_cache)
             batch = dataclasses.replace(batch, k_cache=k, v_cache=v)
-        out.append((name, batch))
+        out.append((name, batch, runs))
     return out
 
 
@@ -138,17 +156,19 @@ def child(backends: list[str], device: str) -> None:
     if device == "cpu" and any(b.startswith("cuda") for b in backends):
         cuda_backend.use_emulator()
     cases = batches(device)
-    expected = [reference.paged_attention(*batch.to_float64()) for _, batch in cases]
+    expected = [reference.paged_attention(*batch.to_float64()) for _, batch, _ in cases]
     for backend in backends:
         print(f"{MARK}start {backend}", flush=True)
         reason = None
         try:
             attention = _attention(backend)
-            # Triton: the first batch, unsplit. On a GPU its tile config and constexprs are then those
-            # of the bench's cases c and d, so its compile (tens of seconds) lands in the cache the
-            # bench reads instead of adding one; 1-token pages are for the CUDA fallback.
+            # Triton: the first batch only, unsplit. On a GPU its tile config and constexprs are then
+            # those of the bench's cases c and d, so its compile (tens of seconds) lands in the cache
+            # the bench reads instead of adding one; the other batches are the CUDA kernels'.
             triton = backend == "triton"
-            for (name, batch), ref in list(zip(cases, expected, strict=True))[: 1 if triton else None]:
+            for (name, batch, runs), ref in zip(cases, expected, strict=True):
+                if not runs(backend):
+                    continue
                 out = torch.full_like(batch.q, float("nan"))
                 attention(*batch.args(), out=out, **({"num_splits": 1} if triton else {}))
                 if device != "cpu":

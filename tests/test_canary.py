@@ -131,7 +131,7 @@ def test_the_child_checks_every_sequences_output_against_float64(monkeypatch, ca
         return real(backend)
 
     monkeypatch.setattr(canary, "_attention", attention)
-    (_, batch), _ = canary.batches("cpu")
+    (_, batch, _), *_ = canary.batches("cpu")
     assert batch.seq_lens_host[1] == 300 and batch.q_lens[:2] == [70, 1]
     try:
         canary.child(["wrong", "triton", "nothing", "cuda-nope", "one-row", "raises"], "cpu")
@@ -165,9 +165,15 @@ def test_canary_passes_each_of_ours_on_cpu(capsys):
         assert "cuda-wgmma-2wg" in backends and "cuda-simt" in backends
         cuda_backend.use_emulator()
         try:
-            (_, tma), (_, fallback) = canary.batches("cpu")
+            (_, tma, _), (_, fallback, _), *others = canary.batches("cpu")
             assert cuda_backend.chosen_kernel(*tma.args(), impl="wgmma-2wg") == "wgmma-2wg"
             assert cuda_backend.chosen_kernel(*fallback.args(), impl="wgmma-2wg") == "wgmma"
+            (_, d64, for_d64), (_, d256, for_d256) = others  # the grid's other instantiations
+            assert d64.q.dtype == torch.float16 and d64.q.shape[-1] == 64 and d256.q.shape[-1] == 256
+            assert cuda_backend.chosen_kernel(*d64.args(), impl="wgmma-2wg") == "wgmma-2wg"
+            assert cuda_backend.chosen_kernel(*d256.args()) == "mma"
+            assert [b for b in backends if for_d64(b)] == [b for b in backends if b != "triton"]
+            assert [b for b in backends if for_d256(b)] == ["cuda", "cuda-simt"]
         finally:
             cuda_backend.use_emulator(False)
 
