@@ -11,9 +11,11 @@ the rest.
     python benchmarks/canary.py                       # ours on this GPU; a JSON line {backend: "ok" | reason}
     python benchmarks/canary.py --backends triton cuda-wgmma-2wg --passed   # also the passing names, on stdout
 
-Run by ``bench_attention.py`` (the backends that fail are left out of its cases and grid, and the
-report says why) and ``profiles/ncu_kernels.sh``. ``--device cpu`` runs the same batches through
-the Triton interpreter and the CUDA kernels' emulator, at smaller shapes (tests).
+Run by ``bench_attention.py`` (the backends that do not pass are left out of its cases and grid,
+and the report says why), ``profiles/ncu_kernels.sh``, and on a GPU by ``tests/conftest.py`` (the
+tests of a kernel that faulted, hung or was wrong fail without launching it; a call our own checks
+refuse, reported as ``refused: ...``, is not a failure there). ``--device cpu`` runs the same
+batches through the Triton interpreter and the CUDA kernels' emulator, at smaller shapes (tests).
 """
 
 from __future__ import annotations
