@@ -234,18 +234,15 @@ def run_case(
 def time_block_orders(row: dict, kept: tuple, bench: Callable) -> None:
     """Each of our backends that has a time in the row, in its default block order (heavy-first,
     timed again) and in-order (the order before it), side by side, into ``row["block_orders"]``."""
-    import triton_kernels
-    from minengine.ops import cuda as cuda_backend
+    from minengine import ops
     from triton_kernels.contract import BLOCK_ORDERS
 
     batch, out, _, fp64_error, _ = kept
-    calls = {"triton": triton_kernels.paged_attention, "cuda": cuda_backend.paged_attention}
-    for impl in cuda_backend.WGMMA_IMPLS:
-        calls[f"cuda-{impl}"] = functools.partial(cuda_backend.paged_attention, impl=impl)
     row["block_orders"] = {}
-    for backend, call in calls.items():
+    for backend in OURS:
         if OURS[backend] not in row:
             continue
+        call = ops.attention_of(backend)
         times = row["block_orders"][backend] = {}
         for order in BLOCK_ORDERS:
             run = functools.partial(call, *batch.args(), out=out, block_order=order)

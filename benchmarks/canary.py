@@ -63,20 +63,9 @@ def backends_for(device: str = "cuda") -> list[str]:
 
 
 def _attention(backend: str) -> Callable:
-    import functools
+    from minengine import ops
 
-    import triton_kernels
-    from minengine.ops import cuda as cuda_backend
-
-    if backend == "triton":
-        return triton_kernels.paged_attention
-    if backend == "cuda":
-        return cuda_backend.paged_attention
-    impl = backend.removeprefix("cuda-")
-    if not backend.startswith("cuda-") or impl not in cuda_backend.IMPLS or impl == "auto":
-        allowed = ["triton", "cuda", *(f"cuda-{i}" for i in cuda_backend.IMPLS if i != "auto")]
-        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(allowed)}")
-    return functools.partial(cuda_backend.paged_attention, impl=impl)
+    return ops.attention_of(backend)
 
 
 def batches(device: str) -> list[tuple[str, object, Callable[[str], bool]]]:

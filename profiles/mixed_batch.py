@@ -10,7 +10,6 @@ those with two warpgroups a block (128-row tiles).
 from __future__ import annotations
 
 import argparse
-import functools
 
 import torch
 
@@ -29,9 +28,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=4)
     args = p.parse_args()
     kernels = ops.get_kernels(args.backend.split("-")[0], "cuda")
-    attention = kernels.paged_attention
-    if args.backend.startswith("cuda-"):
-        attention = functools.partial(attention, impl=args.backend.removeprefix("cuda-"))
+    attention = ops.attention_of(args.backend)
     if args.small:
         q_lens, kv_lens = [37] + [1] * 7, [90] + [70] * 7
     else:

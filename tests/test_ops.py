@@ -21,6 +21,20 @@ def test_unknown_backend_names_the_choices():
         ops.get_kernels("tvm", "cpu")
 
 
+def test_attention_of_names_each_of_our_kernels():
+    import triton_kernels
+    from minengine.ops import cuda, tuning
+
+    assert ops.attention_of("triton") is triton_kernels.paged_attention
+    assert ops.attention_of("cuda") is cuda.paged_attention
+    for name in (*tuning.CHOICES[2:], "cuda-simt", "cuda-mma"):
+        call = ops.attention_of(name)
+        assert call.func is cuda.paged_attention and call.keywords == {"impl": name.removeprefix("cuda-")}
+    for bad in ("cuda-auto", "cuda-nope", "flashinfer", "wgmma"):
+        with pytest.raises(ValueError, match=f"unknown backend '{bad}'; allowed: triton, cuda, cuda-simt, cuda-mma"):
+            ops.attention_of(bad)
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 def test_backends_agree(backend, device):
     batch = make_paged_batch(

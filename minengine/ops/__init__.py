@@ -121,16 +121,29 @@ def _tuning_table(device: torch.device) -> dict[str, str] | None:
     return tuning.load_table(torch.cuda.get_device_name(device))
 
 
+def attention_of(name: str) -> Callable[..., torch.Tensor]:
+    """The paged attention of one of our kernels by backend name: ``triton``, ``cuda`` (its auto
+    impl) or ``cuda-<impl>`` (the cuda kernel with that impl forced: ``minengine.ops.cuda.IMPLS``)."""
+    from minengine.ops import cuda
+
+    if name == "triton":
+        return _triton_kernels().paged_attention
+    if name == "cuda":
+        return cuda.paged_attention
+    impl = name.removeprefix("cuda-")
+    if not name.startswith("cuda-") or impl not in cuda.IMPLS or impl == "auto":
+        allowed = ["triton", "cuda", *(f"cuda-{i}" for i in cuda.IMPLS if i != "auto")]
+        raise ValueError(f"unknown backend {name!r}; allowed: {', '.join(allowed)}")
+    return functools.partial(cuda.paged_attention, impl=impl)
+
+
 def _tuned_kernels(device: torch.device) -> KernelSet:
     """Attention from triton, cuda or one of the cuda-wgmma* backends per call shape (the device's
     table); triton's store and gather."""
     from minengine.ops import tuning
 
-    triton, cuda = _triton_kernels(), _cuda_kernels()
-    choices = {"triton": triton.paged_attention, "cuda": cuda.paged_attention}
-    for name in tuning.CHOICES:  # cuda-<impl>: the cuda kernel with that impl forced
-        if name.startswith("cuda-"):
-            choices[name] = functools.partial(cuda.paged_attention, impl=name.removeprefix("cuda-"))
+    triton = _triton_kernels()
+    choices = {name: attention_of(name) for name in tuning.CHOICES}
     attention = tuning.tuned_attention(_tuning_table(device), choices)
     return KernelSet(attention, triton.store_kv, triton.gather_input_ids)
 
