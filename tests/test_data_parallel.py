@@ -262,8 +262,7 @@ def test_lockstep_workers_are_quiet_when_idle_and_leave_together(tmp_path):
     from minengine import SamplingParams
     from minengine.config import EngineConfig
     from minengine.server.protocol import AddRequest, Fatal, Ready, Shutdown
-    from minengine.server.scheduler_process import run_scheduler
-    from minengine.server.workers import free_port
+    from minengine.server.scheduler_process import rendezvous_store, run_scheduler
 
     cfg = EngineConfig(model="tiny", dp_size=2, enable_prefill_delayer=True, page_size=4)
     ctx = zmq.Context()
@@ -275,10 +274,11 @@ def test_lockstep_workers_are_quiet_when_idle_and_leave_together(tmp_path):
         outboxes[-1].bind(addr)
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(f"ipc://{tmp_path}/out")
-    dist = f"tcp://127.0.0.1:{free_port()}"
+    store = rendezvous_store()
+    port = store.port
     spawn = multiprocessing.get_context("spawn")
     procs = [
-        spawn.Process(target=run_scheduler, args=(cfg, requests[i], f"ipc://{tmp_path}/out", os.getpid(), i, dist))
+        spawn.Process(target=run_scheduler, args=(cfg, requests[i], f"ipc://{tmp_path}/out", os.getpid(), i, port))
         for i in range(2)
     ]
     for p in procs:

@@ -125,13 +125,20 @@ def _share_cores(config: EngineConfig) -> None:
         torch.set_num_threads(max(1, torch.get_num_threads() // config.dp_size))
 
 
+def rendezvous_store() -> torch.distributed.TCPStore:
+    """The data-parallel workers' rendezvous store, served by the process that starts them on a
+    port the system picks as it binds (``.port``): a port found free first and bound later by a
+    worker could be taken in between (a CI run's dp-2 start once failed with EADDRINUSE)."""
+    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 def run_scheduler(
     config: EngineConfig,
     requests_addr: str,
     outputs_addr: str,
     parent_pid: int,
     rank: int = 0,
-    dist_addr: str | None = None,
+    dist_port: int | None = None,
 ) -> None:
     _die_with_parent(requests_addr, parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
@@ -146,8 +153,10 @@ def run_scheduler(
         if config.dp_size > 1:
             # the default group waits as long as a start may take (its barrier below); the passes'
             # collectives run on a group of their own with a short timeout, which finds a stuck peer
+            # (the rendezvous_store the parent serves on dist_port)
+            store = torch.distributed.TCPStore("127.0.0.1", dist_port, is_master=False, timeout=STARTUP_TIMEOUT)
             torch.distributed.init_process_group(
-                "gloo", init_method=dist_addr, rank=rank, world_size=config.dp_size, timeout=STARTUP_TIMEOUT
+                "gloo", store=store, rank=rank, world_size=config.dp_size, timeout=STARTUP_TIMEOUT
             )
             gather = Lockstep(torch.distributed.new_group(backend="gloo", timeout=PASS_TIMEOUT))
         if config.device != "cpu" and torch.cuda.is_available():

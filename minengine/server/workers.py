@@ -14,7 +14,7 @@ import zmq
 from minengine.config import EngineConfig
 from minengine.server.frontend import SchedulerClient
 from minengine.server.metrics import Metrics
-from minengine.server.scheduler_process import IPC_DIR_PREFIX, run_scheduler
+from minengine.server.scheduler_process import IPC_DIR_PREFIX, rendezvous_store, run_scheduler
 
 
 def free_port() -> int:
@@ -50,16 +50,19 @@ class Workers:
         self.processes: list = []
         self._hurry = False  # set by ``hurry``
         self.client = None
+        self._store = None  # the workers' rendezvous store (dp > 1), served here while they run
         try:
             requests = [f"ipc://{self.ipc_dir}/requests-{i}" for i in range(config.dp_size)]
             outputs = f"ipc://{self.ipc_dir}/outputs"
             self.client = SchedulerClient(requests, outputs, metrics, config.load_balance_method)
-            dist_addr = f"tcp://127.0.0.1:{free_port()}" if config.dp_size > 1 else None
+            if config.dp_size > 1:
+                self._store = rendezvous_store()
+            dist_port = self._store.port if self._store is not None else None
             spawn = multiprocessing.get_context("spawn")
             for i in range(config.dp_size):
                 p = spawn.Process(
                     target=run_scheduler,
-                    args=(config, requests[i], outputs, os.getpid(), i, dist_addr),
+                    args=(config, requests[i], outputs, os.getpid(), i, dist_port),
                     daemon=True,
                     name=f"scheduler-{i}",
                 )
@@ -101,3 +104,4 @@ class Workers:
                     p.kill()
         finally:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self._store = None
