@@ -377,6 +377,8 @@ def build_baseline(item: tuple | list, device: torch.device) -> None:
 
 BUILT_MARK = "FLASHINFER_BUILT "  # the warm-up process's line for each baseline it built
 WARMUP_MARK = "FLASHINFER_WARMUP_FAILED "  # its last line: JSON of the builds that failed
+COMPILE_MARK = "FLASHINFER_COMPILING "  # a round's modules compiled together, comma-separated
+PREBUILT_MARK = "FLASHINFER_PREBUILT "  # a module loaded from FlashInfer's AOT directory (flashinfer_aot.py)
 
 
 def build_name(item: tuple | list) -> str:
@@ -411,13 +413,17 @@ def warm_in_process(builds: list, device: torch.device, build: Callable | None =
         core = None
     failed, pending = {}, list(builds)
     if core is not None:
-        real, compiled, broken, collected = core.JitSpec.build_and_load, set(), {}, {}
+        real, compiled, broken, collected, prebuilt = core.JitSpec.build_and_load, set(), {}, {}, set()
 
         def build_and_load(spec):
             if spec.name in broken:
                 raise broken[spec.name]  # its compile error, not a second compile
             if spec.name in compiled or getattr(spec, "is_compiled", False):
-                return real(spec)
+                module = real(spec)
+                if getattr(spec, "is_aot", False) and spec.name not in prebuilt:  # named once it has loaded
+                    prebuilt.add(spec.name)
+                    print(PREBUILT_MARK + spec.name, flush=True)
+                return module
             collected.setdefault(spec.name, spec)
             raise _Collected
 
@@ -437,7 +443,7 @@ def warm_in_process(builds: list, device: torch.device, build: Callable | None =
                 pending.remove(item)
             if not collected:
                 break
-            print(f"compiling FlashInfer modules together: {', '.join(collected)}", flush=True)
+            print(COMPILE_MARK + ", ".join(collected), flush=True)
             try:
                 core.build_jit_specs(list(collected.values()))
             except Exception as exc:  # noqa: BLE001  (one that does not compile stops ninja: the rest one by one)
@@ -500,6 +506,9 @@ def warm_flashinfer(builds: list, seconds: float, log: Path, command: list[str] 
     marks = [line for line in lines if line.startswith(WARMUP_MARK)]
     result = {"seconds": round(time.monotonic() - start, 1), "finished": bool(marks), "log": str(log)}
     result["built"] = [line[len(BUILT_MARK) :] for line in lines if line.startswith(BUILT_MARK)]
+    result["prebuilt"] = [line[len(PREBUILT_MARK) :] for line in lines if line.startswith(PREBUILT_MARK)]
+    result["compiled"] = [name for line in lines if line.startswith(COMPILE_MARK)
+                          for name in line[len(COMPILE_MARK) :].split(", ")]  # fmt: skip
     result["failed"] = json.loads(marks[-1][len(WARMUP_MARK) :]) if marks else {}
     if proc.returncode not in (0, -signal.SIGKILL) and not marks:  # it died: say how
         result["failed"] = {"warm-up process": (lines or [f"exit {proc.returncode}"])[-1][:300]}
@@ -671,9 +680,12 @@ def markdown(report: dict) -> str:
     if jit := report.get("flashinfer_jit"):
         state = "done" if jit["finished"] else "NOT finished in time"
         failed = "".join(f"; failed: {k}: {v}" for k, v in jit["failed"].items())
+        modules = ""
+        if "compiled" in jit:  # (reports before the AOT modules have no such keys)
+            modules = f"; {len(jit['prebuilt'])} modules loaded prebuilt, {len(jit['compiled'])} compiled here"
         lines.append(
             f"- FlashInfer JIT builds (modules compiled together): {state} after {jit['seconds']} s, "
-            f"{len(jit['built'])} of {jit['builds']} baselines built (the others are left out){failed}"
+            f"{len(jit['built'])} of {jit['builds']} baselines built (the others are left out){modules}{failed}"
         )
     if (canary := report.get("canary")) is not None:
         bad = {b: why for b, why in canary.items() if why != "ok"}
@@ -847,7 +859,7 @@ def write_tuning(grid: list[dict], report: dict, device: torch.device) -> str:
     return str(path)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and markdown results")
@@ -908,6 +920,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="with --suite full: write minengine/ops/tuning/<device>.json, the per-shape choice of `auto`",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = make_parser()
     args = parser.parse_args(argv)
     if args.build_flashinfer is not None:  # the process of warm_flashinfer
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

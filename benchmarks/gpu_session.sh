@@ -37,7 +37,10 @@
 #
 # The GPU machine is offline: `bash benchmarks/gpu_wheels.sh [base|flashinfer|disagg]` puts the
 # wheels its image lacks in .whl/ (the server stack, pyzmq, openai; FlashInfer; NIXL for disagg),
-# and each device call names .whl in `carry`. Its image has pybind11, ninja, nvidia-ml-py.
+# and each device call names .whl in `carry`. Its image has pybind11, ninja, nvidia-ml-py. For the
+# kernels, grid and serving phases, `python3 benchmarks/flashinfer_aot.py` (after the `flashinfer`
+# wheels) compiles FlashInfer's modules for the bench's baselines here into .flashinfer_aot/; carry
+# it too, and the warm-ups load them instead of spending minutes of device time compiling.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASE=${1:?phase: tests | kernels | grid | engine | serving | disagg}
@@ -92,6 +95,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+# FlashInfer's modules compiled ahead on the CPU machine (benchmarks/flashinfer_aot.py), when carried:
+# the warm-ups load them instead of compiling (installed only where versions and target match)
+if [ -e .flashinfer_aot/manifest.json ]; then
+  python3 benchmarks/flashinfer_aot.py --install .flashinfer_aot 2>&1 | tee -a "$WORK/logs/steps.txt"
+fi
 # a hung test fails alone instead of eating the phase (pytest-timeout is in the box's image; without
 # it, an unknown ini key is only a warning)
 PYTEST_TIMEOUT="-o timeout=240"

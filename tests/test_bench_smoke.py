@@ -532,7 +532,8 @@ def test_warm_flashinfer_process_reports_failures_and_is_killed_whole_when_late(
 
     # the real command: this script's --build-flashinfer (nothing to build here)
     assert bench.warm_flashinfer([], seconds=120, log=tmp_path / "real.log") | {"seconds": 0} == {
-        "seconds": 0, "finished": True, "built": [], "failed": {}, "log": str(tmp_path / "real.log")
+        "seconds": 0, "finished": True, "built": [], "failed": {}, "log": str(tmp_path / "real.log"),
+        "prebuilt": [], "compiled": [],
     }  # fmt: skip
 
     died = [sys.executable, "-c", "import sys; sys.exit('ImportError: no flashinfer.jit')"]
@@ -580,7 +581,8 @@ def test_warm_in_process_compiles_modules_together_in_rounds(monkeypatch, capsys
     one missing; then one build_jit_specs call compiles the round's modules (a module a baseline
     asks for only after another, like the prefill wrapper's page module, comes a round later). A
     module that does not compile stops ninja: the round's others are built one by one, and it is
-    not tried again; a failure is named with the error lines of its ninja output."""
+    not tried again; a failure is named with the error lines of its ninja output. A module in
+    FlashInfer's AOT directory (benchmarks/flashinfer_aot.py) loads at once, and is named once."""
     import types
 
     bench = load_bench()
@@ -590,10 +592,13 @@ def test_warm_in_process_compiles_modules_together_in_rounds(monkeypatch, capsys
     class JitSpec:
         def __init__(self, name):
             self.name = name
+            self.is_aot = self.is_compiled = name in ("decode", "aot_bad")  # carried prebuilt
 
         def build_and_load(self):
             if self.name == "bad":
                 raise RuntimeError(ninja_error)
+            if self.name == "aot_bad":
+                raise RuntimeError("aot_bad.so: cannot open shared object file")
             loaded.append(self.name)
 
     def build_jit_specs(specs):
@@ -608,8 +613,8 @@ def test_warm_in_process_compiles_modules_together_in_rounds(monkeypatch, capsys
     package.jit.core = core
     for name, module in (("flashinfer", package), ("flashinfer.jit", package.jit), ("flashinfer.jit.core", core)):
         monkeypatch.setitem(sys.modules, name, module)
-    modules = {"decode": ["decode"], "prefill": ["prefill", "page"], "mixed": ["prefill", "page"],
-               "pod": ["pod_prefill", "batch_pod"], "uses-bad": ["bad"]}  # fmt: skip
+    modules = {"decode": ["decode"], "prefill": ["prefill", "page", "decode"], "mixed": ["prefill", "page"],
+               "pod": ["pod_prefill", "batch_pod"], "uses-bad": ["bad"], "uses-aot-bad": ["aot_bad"]}  # fmt: skip
 
     def build(item, device):
         if item[0] == "broken":
@@ -617,15 +622,22 @@ def test_warm_in_process_compiles_modules_together_in_rounds(monkeypatch, capsys
         for name in modules[item[0]]:
             JitSpec(name).build_and_load()
 
-    builds = [["decode"], ["prefill"], ["mixed"], ["pod"], ["uses-bad"], ["broken"]]
+    builds = [["decode"], ["prefill"], ["mixed"], ["pod"], ["uses-bad"], ["uses-aot-bad"], ["broken"]]
     failed = bench.warm_in_process(builds, torch.device("cpu"), build)
-    assert batches == [["decode", "prefill", "pod_prefill", "bad"], ["page", "batch_pod"]]
-    built = [line.removeprefix(bench.BUILT_MARK) for line in capsys.readouterr().out.splitlines()
-             if line.startswith(bench.BUILT_MARK)]  # fmt: skip
+    assert batches == [["prefill", "pod_prefill", "bad"], ["page", "batch_pod"]]
+    out = capsys.readouterr().out.splitlines()
+    built = [line.removeprefix(bench.BUILT_MARK) for line in out if line.startswith(bench.BUILT_MARK)]
     assert built == ["decode", "prefill", "mixed", "pod"]
+    assert [line for line in out if line.startswith((bench.PREBUILT_MARK, bench.COMPILE_MARK))] == [
+        bench.PREBUILT_MARK + "decode",
+        bench.COMPILE_MARK + "prefill, pod_prefill, bad",
+        bench.COMPILE_MARK + "page, batch_pod",
+    ]
+    assert loaded.count("decode") == 2  # loaded for both baselines that ask for it, named once
     assert failed == {
         "broken": "ValueError: FlashInfer does not take this shape",
         "uses-bad": "RuntimeError: Ninja build failed. Ninja output: | bad.cu(3): error: no",
+        "uses-aot-bad": "RuntimeError: aot_bad.so: cannot open shared object file",  # not named prebuilt
     }
     assert "bad" not in loaded and core.JitSpec.build_and_load.__name__ == "build_and_load"  # restored
 
