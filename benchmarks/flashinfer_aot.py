@@ -22,8 +22,9 @@ On the GPU machine ``--install`` copies them into FlashInfer's AOT directory
 only when the manifest's FlashInfer and tvm-ffi versions and target match what is installed there;
 otherwise it says why and installs nothing, and the warm-up compiles as before. Each installed
 module is checked against the manifest's sha256 and loaded once; one that does not load is removed
-again (FlashInfer would not fall back to compiling it), so the carry can cost a phase nothing. The
-bench's report says how many modules loaded prebuilt and which compiled (``flashinfer_jit``).
+again (FlashInfer would not fall back to compiling it), so a bad carry costs a phase only the
+install's seconds. The bench's report says how many modules loaded prebuilt and which compiled
+(``flashinfer_jit``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ DEBUG_SETTINGS = ("FLASHINFER_JIT_DEBUG", "FLASHINFER_JIT_VERBOSE", "FLASHINFER_
 def flashinfer_target(jit_env: types.ModuleType, version: str) -> str:
     """FlashInfer's name for the targets it compiles for (its workspace directory's, "90a" on an H100
     or with FLASHINFER_CUDA_ARCH_LIST=9.0a), or "none" where it sees no GPU and was given none."""
-    name = Path(jit_env.FLASHINFER_WORKSPACE_DIR).relative_to(Path(jit_env.FLASHINFER_CACHE_DIR) / version).as_posix()
+    workspace = Path(jit_env.FLASHINFER_WORKSPACE_DIR)
+    try:
+        name = workspace.relative_to(Path(jit_env.FLASHINFER_CACHE_DIR) / version).as_posix()
+    except ValueError:  # another FlashInfer's layout: its last part, which a manifest then has to match
+        name = workspace.name
     return "none" if name == "." else name
 
 

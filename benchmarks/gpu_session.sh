@@ -98,7 +98,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # FlashInfer's modules compiled ahead on the CPU machine (benchmarks/flashinfer_aot.py), when carried:
 # the warm-ups load them instead of compiling (installed only where versions and target match)
 if [ -e .flashinfer_aot/manifest.json ]; then
-  python3 benchmarks/flashinfer_aot.py --install .flashinfer_aot 2>&1 | tee -a "$WORK/logs/steps.txt"
+  timeout -k 10 120 python3 benchmarks/flashinfer_aot.py --install .flashinfer_aot 2>&1 | tee -a "$WORK/logs/steps.txt"
 fi
 # a hung test fails alone instead of eating the phase (pytest-timeout is in the box's image; without
 # it, an unknown ini key is only a warning)

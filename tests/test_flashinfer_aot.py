@@ -37,6 +37,12 @@ def test_target_names_and_the_bench_baselines_it_compiles_for(capsys):
             aot.main(argv)
         assert stopped.value.code == 2
         assert error in capsys.readouterr().err
+    env = types.SimpleNamespace(FLASHINFER_CACHE_DIR=Path("/c"), FLASHINFER_WORKSPACE_DIR=Path("/c/0.5.3/90a"))
+    assert aot.flashinfer_target(env, "0.5.3") == "90a"
+    env.FLASHINFER_WORKSPACE_DIR = Path("/c/0.5.3")  # no GPU seen, no FLASHINFER_CUDA_ARCH_LIST
+    assert aot.flashinfer_target(env, "0.5.3") == "none"
+    env.FLASHINFER_WORKSPACE_DIR = Path("/elsewhere/90a")  # another layout: its last part
+    assert aot.flashinfer_target(env, "0.5.3") == "90a"
     # the bench's cases and its grid's FlashInfer configs: the served model's shape, four baselines
     assert aot.default_builds() == [
         ("bfloat16", 32, 8, 128, "decode", "paged"),
