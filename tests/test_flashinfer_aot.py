@@ -3,7 +3,6 @@ GPU machine only where they match. The compile itself needs FlashInfer (optional
 its discovery runs here where FlashInfer imports; the install, the driver stub and the checks run
 everywhere with stand-ins."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -14,15 +13,13 @@ import types
 from pathlib import Path
 
 import pytest
+from test_bench_smoke import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_aot():
-    spec = importlib.util.spec_from_file_location("flashinfer_aot", ROOT / "benchmarks" / "flashinfer_aot.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("flashinfer_aot")
 
 
 def test_target_names_and_the_bench_baselines_it_compiles_for(capsys):
@@ -258,9 +255,7 @@ def test_a_compile_run_puts_its_carry_in_place_only_when_it_succeeds(monkeypatch
 
 
 def test_the_bench_report_counts_prebuilt_and_compiled_modules():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_attention
-
+    bench_attention = load_bench()
     jit = {"builds": 4, "seconds": 3.2, "finished": True, "built": ["a", "b", "c", "d"], "failed": {},
            "prebuilt": ["m1", "m2", "m3", "m4"], "compiled": ["m5"]}  # fmt: skip
     line = next(line for line in bench_attention.markdown(minimal_report(jit)).splitlines() if "JIT" in line)
