@@ -10,9 +10,11 @@ the rest.
 
     python benchmarks/canary.py                       # ours on this GPU; a JSON line {backend: "ok" | reason}
     python benchmarks/canary.py --backends triton cuda-wgmma-2wg --passed   # also the passing names, on stdout
+    python benchmarks/canary.py --served auto --failed   # the kernels a server's backend runs; "name: why" per failure
 
 Run by ``bench_attention.py`` (the backends that do not pass are left out of its cases and grid,
-and the report says why), ``profiles/ncu_kernels.sh``, and on a GPU by ``tests/conftest.py`` (the
+and the report says why), ``profiles/ncu_kernels.sh``, ``benchmarks/run_ablations.sh`` (a server
+whose kernels did not pass is not started: ``--served``), and on a GPU by ``tests/conftest.py`` (the
 tests of a kernel that faulted, hung or was wrong fail without launching it; a call our own checks
 refuse, reported as ``refused: ...``, is not a failure there). ``--device cpu`` runs the same
 batches through the Triton interpreter and the CUDA kernels' emulator, at smaller shapes (tests).
@@ -276,7 +278,15 @@ def failed(results: dict[str, str], refused: bool = True) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> dict[str, str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="*", default=None, help="default: ours on this machine (backends_for)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--backends", nargs="*", default=None, help="default: ours on this machine (backends_for)")
+    which.add_argument(
+        "--served",
+        metavar="ATTENTION_BACKEND",
+        default=None,
+        help="the kernels of ours that a server started with --attention-backend ATTENTION_BACKEND runs here "
+        "(minengine.ops.attention_kernels)",
+    )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--seconds", type=float, default=30.0, help="a backend's time limit (CUDA's kernels)")
     parser.add_argument(
@@ -285,8 +295,15 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         default=240.0,
         help="the time limit to the child's first line (imports, CUDA's start), and Triton's (it compiles)",
     )
-    parser.add_argument(
+    report = parser.add_mutually_exclusive_group()
+    report.add_argument(
         "--passed", action="store_true", help="print the backends that passed on stdout, the JSON on stderr"
+    )
+    report.add_argument(
+        "--failed",
+        action="store_true",
+        help="print a line 'backend: why' for each that did not pass (refused calls too) on stdout, the JSON on "
+        "stderr: nothing when all passed",
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
@@ -298,16 +315,27 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         return {}
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    backends = args.backends if args.backends is not None else backends_for(args.device)
+    if args.served is not None:
+        from minengine import ops
+
+        try:
+            backends = list(ops.attention_kernels(args.served, args.device))
+        except ValueError as exc:  # an unknown name: the message lists the allowed ones
+            parser.error(f"--served: {exc}")
+    else:
+        backends = args.backends if args.backends is not None else backends_for(args.device)
     # a caller's time limit (SIGTERM) ends the run through run_canary's clean-up: its child goes too
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         results = run_canary(backends, args.seconds, args.startup_seconds, args.device)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(json.dumps(results), file=sys.stderr if args.passed else sys.stdout, flush=True)
+    print(json.dumps(results), file=sys.stderr if args.passed or args.failed else sys.stdout, flush=True)
     if args.passed:
         print(" ".join(b for b, why in results.items() if why == "ok"), flush=True)
+    if args.failed:
+        for backend, why in failed(results).items():
+            print(f"{backend}: {why}", flush=True)
     return results
 
 

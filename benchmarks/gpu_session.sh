@@ -29,8 +29,8 @@
 # engine, disagg; tests again when a session has the time (the CUDA kernels changed since they
 # passed). A group's run cut off by the budget is lost whole (bench_serving writes at its end).
 # Our kernels' first GPU runs go through benchmarks/canary.py first (bench_attention, ncu_kernels.sh,
-# and pytest's conftest): one that faults, hangs or is wrong is left out with the reason, instead
-# of a sticky CUDA error or a hang taking the rest of the phase with it.
+# run_ablations.sh's servers, and pytest's conftest): one that faults, hangs or is wrong is left
+# out with the reason, instead of a sticky CUDA error or a hang taking the rest of the phase with it.
 # Carry the `base` wheels for tests (it deselects FlashInfer's tests: their JIT compiles would take
 # minutes of the phase) and the `flashinfer` ones for kernels and serving. GPU_SKIP="NAME ..."
 # skips steps already measured (the rest of engine: GPU_SKIP=bench_decode).
@@ -179,8 +179,11 @@ print(' '.join(b for b, why in c.items() if why != 'ok'))" "$WORK"/results/atten
           --flashinfer-warmup 300 --out "$WORK/logs"
         fi_tests=1 ;;
     esac
+    # the canary's verdicts (run_ablations.sh checks a server's kernels before starting it) kept for
+    # the call's later groups, and packed with the logs
     for group in "$@"; do
-      step "ablations_$group" env RESULTS_DIR="$WORK/results" bash benchmarks/run_ablations.sh "$group"
+      step "ablations_$group" env RESULTS_DIR="$WORK/results" CANARY_DIR="$WORK/logs/canary" \
+        bash benchmarks/run_ablations.sh "$group"
     done
     # FlashInfer inside the engine (the tests phase skips it), after the measurements: its tests use
     # other shapes (fp16, head dim 64) whose JIT modules compile one after another, minutes that

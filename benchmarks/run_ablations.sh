@@ -20,6 +20,13 @@
 #
 # A server that fails to start (e.g. flashinfer not importable) is logged and its run skipped; the
 # other runs go on. The script exits non-zero when any run failed.
+#
+# Before a server starts, the kernels of ours its --attention-backend runs (triton, cuda, or what
+# `auto`'s tuning table picks; none for flashinfer) go through benchmarks/canary.py once (results
+# kept in $CANARY_DIR, a fresh directory unless given): a run whose kernels fault, hang or are wrong
+# is skipped with the reason, instead of a hung server taking the rest of the group's time. A
+# benchmark that runs past RUN_SECONDS (default 420) is stopped and its run counted as failed, so
+# a server that hangs on a batch the canary did not cover costs one run, not the group.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
@@ -40,6 +47,9 @@ SERVE="python3 -m minengine.serve --model $MODEL $LOAD --port $PORT --log-level 
 BENCH="python3 benchmarks/bench_serving.py --base-url http://127.0.0.1:$PORT --tokenizer $MODEL --plot --no-progress"
 BENCH="$BENCH --out $RESULTS_DIR"
 FAILED=0
+CANARY_DIR=${CANARY_DIR:-$(mktemp -d)}
+RUN_SECONDS=${RUN_SECONDS:-420}
+mkdir -p "$CANARY_DIR"
 
 healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; }
 
@@ -50,8 +60,30 @@ stop() {  # stop PID: SIGTERM, then SIGKILL after 30 s
   wait "$1" 2>/dev/null
 }
 
+canary_failures() {  # canary_failures ATTENTION_BACKEND: a line "kernel: why" for each of its kernels that failed
+  local file="$CANARY_DIR/$1.txt"
+  if [ ! -e "$file" ]; then
+    if ! python3 benchmarks/canary.py --served "$1" --failed --seconds 20 --startup-seconds 180 \
+        > "$file.part" 2> "$CANARY_DIR/$1.json"; then
+      echo "== the canary script failed for --attention-backend $1 ($(tail -n 1 "$CANARY_DIR/$1.json")); its runs go ahead" >&2
+      : > "$file.part"
+    fi
+    mv -f "$file.part" "$file"
+  fi
+  cat "$file"
+}
+
 run() {  # run TAG "SERVER FLAGS" "BENCH FLAGS"
   echo "== $1: server flags [$2]" >&2
+  local backend=auto failures flag=' --attention-backend ([^ ]+) '
+  [[ " $2 " =~ $flag ]] && backend=${BASH_REMATCH[1]}
+  failures=$(canary_failures "$backend")
+  if [ -n "$failures" ]; then
+    echo "== $1: run skipped: its kernels did not pass their canary run (benchmarks/canary.py):" >&2
+    echo "$failures" | sed 's/^/     /' >&2
+    FAILED=1
+    return
+  fi
   $SERVE $2 &
   local pid=$! waited=0
   until healthy; do
@@ -64,7 +96,14 @@ run() {  # run TAG "SERVER FLAGS" "BENCH FLAGS"
     sleep 1; waited=$((waited + 1))
   done
   echo "== $1: server up after ${waited} s" >&2
-  $BENCH --tag "$1" $3 || FAILED=1
+  local begin=$SECONDS rc
+  # (--foreground: in the caller's process group, so a time limit around this script stops it too)
+  timeout --foreground -k 20 "$RUN_SECONDS" $BENCH --tag "$1" $3
+  rc=$?
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "== $1: the benchmark ran past RUN_SECONDS=$RUN_SECONDS ($((SECONDS - begin)) s) and was stopped (a hung server?); no results" >&2
+  fi
+  [ $rc -eq 0 ] || FAILED=1
   stop $pid
 }
 

@@ -306,6 +306,53 @@ def test_ncu_script_skips_what_the_canary_left_out(tmp_path, skip):
     assert sorted(p.name for p in out.iterdir()) == sorted(names)
 
 
+def test_serving_runs_start_only_servers_whose_kernels_passed_their_canary_run(tmp_path):
+    """benchmarks/run_ablations.sh: a run whose --attention-backend's kernels failed the canary is
+    skipped with the reason and starts no server; one whose canary script itself failed goes ahead;
+    the canary runs once per backend; a benchmark past RUN_SECONDS is stopped and the next run goes
+    on. A stand-in python3 records what ran."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "ran.txt"
+    (bin_dir / "python3").write_text(
+        "#!/bin/bash\n"
+        'case "$*" in\n'
+        f"  *canary.py*--served\\ triton*) echo canary triton >> {log}; echo 'triton: no result (a hang?)' ;;\n"
+        f"  *canary.py*--served\\ cuda*) echo canary cuda >> {log}; echo 'Traceback: boom' >&2; exit 1 ;;\n"
+        f"  *canary.py*--served\\ flashinfer*) echo canary flashinfer >> {log}; echo '{{}}' >&2 ;;\n"
+        "  *urllib*) exit 0 ;;\n"
+        f'  *minengine.serve*) echo "serve ${{*: -1}}" >> {log}; exec sleep 60 ;;\n'
+        f'  *bench_serving.py*backend-flashinfer*) echo "bench flashinfer" >> {log}; exec sleep 60 ;;\n'
+        f'  *bench_serving.py*--tag\\ *) echo "bench $*" | grep -o "tag [^ ]*" >> {log} ;;\n'
+        "esac\n"
+    )
+    (bin_dir / "python3").chmod(0o755)
+    env = {
+        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MODEL": str(tmp_path), "RUN_SECONDS": "2",
+        "CANARY_DIR": str(tmp_path / "canary"), "RESULTS_DIR": str(tmp_path / "results"),
+    }  # fmt: skip
+    script = str(root / "benchmarks/run_ablations.sh")
+    done = subprocess.run(["bash", script, "backends", "backends"], env=env, capture_output=True, text=True)
+    err = done.stderr
+    assert done.returncode == 1, done.stdout + err
+    ran = log.read_text().splitlines()
+    # the serve stand-in logs its last flag: the backend's name
+    once = ["canary triton", "canary cuda", "serve cuda", "tag backend-cuda", "canary flashinfer", "serve flashinfer"]
+    assert ran == [*once, "bench flashinfer", "serve cuda", "tag backend-cuda", "serve flashinfer", "bench flashinfer"]
+    assert err.count("== backend-triton: run skipped: its kernels did not pass their canary run") == 2
+    assert "     triton: no result (a hang?)" in err
+    assert err.count("the canary script failed for --attention-backend cuda (Traceback: boom); its runs go ahead") == 1
+    assert err.count("== backend-flashinfer: the benchmark ran past RUN_SECONDS=2") == 2
+    assert sorted(p.name for p in (tmp_path / "canary").iterdir()) == sorted(
+        f"{b}.{ext}" for b in ("triton", "cuda", "flashinfer") for ext in ("txt", "json")
+    )
+
+
 def test_gpu_test_runs_fail_the_tests_of_a_kernel_that_failed_its_canary_run(monkeypatch):
     """conftest's guard (on a GPU, before the tests run): the tests launching a CUDA backend that
     faulted, hung or was wrong fail at set-up with the reason; a refused backend's tests (a build

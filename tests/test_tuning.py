@@ -134,3 +134,19 @@ def test_table_files_are_valid(tmp_path, monkeypatch):
 
 def test_auto_is_torch_on_cpu():
     assert ops.resolve_backend("auto", "cpu") == "torch"
+
+
+def test_attention_kernels_name_what_each_backend_runs(monkeypatch):
+    """What a server's --attention-backend launches of ours (the serving runs' canary): ``auto``
+    on CUDA runs triton without a table, and with one triton (its unlisted calls) and the table's."""
+    assert ops.attention_kernels("auto", "cpu") == ()
+    assert ops.attention_kernels("triton", "cpu") == ("triton",)
+    assert ops.attention_kernels("cuda", "cuda") == ("cuda",)
+    assert ops.attention_kernels("flashinfer", "cuda") == ops.attention_kernels("torch", "cuda") == ()
+    monkeypatch.setattr(ops, "_tuning_table", lambda device: None)
+    assert ops.attention_kernels("auto", "cuda") == ("triton",)
+    table = {"decode/bfloat16/128": "cuda-wgmma-2wg", "mixed/bfloat16/128": "cuda", "prefill/float16/64": "cuda"}
+    monkeypatch.setattr(ops, "_tuning_table", lambda device: table)
+    assert ops.attention_kernels("auto", "cuda") == ("triton", "cuda", "cuda-wgmma-2wg")
+    with pytest.raises(ValueError, match="unknown attention backend 'tvm'; allowed: auto, torch, triton"):
+        ops.attention_kernels("tvm", "cuda")

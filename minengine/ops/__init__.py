@@ -137,6 +137,19 @@ def attention_of(name: str) -> Callable[..., torch.Tensor]:
     return functools.partial(cuda.paged_attention, impl=impl)
 
 
+def attention_kernels(name: str, device: torch.device | str) -> tuple[str, ...]:
+    """Our attention kernels (as ``attention_of`` names them) that the backend ``name`` runs on
+    ``device``: ``triton``; ``cuda``; ``auto`` on CUDA: triton, or triton (the calls its table does not
+    list) and the table's backends; none for ``torch`` and ``flashinfer``."""
+    backend = resolve_backend(name, device)
+    if backend == "tuned":
+        from minengine.ops import tuning
+
+        table = _tuning_table(torch.device(device)) or {}
+        return tuple(b for b in tuning.CHOICES if b == "triton" or b in table.values())
+    return (backend,) if backend in ("triton", "cuda") else ()
+
+
 def _tuned_kernels(device: torch.device) -> KernelSet:
     """Attention from triton, cuda or one of the cuda-wgmma* backends per call shape (the device's
     table); triton's store and gather."""
