@@ -1,7 +1,8 @@
 """FlashInfer's JIT modules for the GPU phases, compiled on this machine (nvcc needs no GPU) and
 carried to the GPU machine as FlashInfer's AOT directory, where they load instead of compiling: the
 `kernels` phase's FlashInfer warm-up took 159 s of device time on the H100 (stop 41) for the five
-modules of its four baselines, and a fresh machine compiles them again for `serving backends`.
+modules of its four baselines, and a fresh machine compiles them again for `serving backends`,
+whose last step (the engine's FlashInfer tests, fp16 at head dim 64) needs three more.
 
   bash benchmarks/gpu_wheels.sh flashinfer      # .whl/: the FlashInfer wheel the GPU machine installs
   python3 benchmarks/flashinfer_aot.py          # .flashinfer_aot/: those modules for sm_90a (minutes)
@@ -9,7 +10,8 @@ modules of its four baselines, and a fresh machine compiles them again for `serv
 
 Which modules: those FlashInfer's wrappers ask for when bench_attention's warm-up builds the
 baselines of its cases and of its grid's FlashInfer configs (the served model's shape too: bf16,
-32/8/128). They are found by running that same code (``build_baseline``) here on CPU tensors in a
+32/8/128), and at the shapes of the engine's FlashInfer GPU tests (fp16, head dim 64), which run
+at the end of `serving backends`. They are found by running that same code (``build_baseline``) here on CPU tensors in a
 child process, with FlashInfer's module loader replaced by a recorder that hands back a stand-in
 module, and an sm_90a device standing in where the wrappers ask CUDA, so the list follows the bench
 and FlashInfer's own naming instead of copying either. Then FlashInfer's ``build_jit_specs`` compiles
@@ -81,14 +83,27 @@ def target_arch(cuda_arch: str) -> str:
     return cuda_arch.replace(".", "")
 
 
+# (Hq, Hkv) of the engine's FlashInfer GPU tests, all fp16 at head dim 64 (the last step of
+# gpu_session.sh's `serving backends`): test_backend_logits.py's model (4/2) and
+# test_cuda_graph.py's FlashInfer graph tests (4/2; 8/1, FlashInfer's tensor-core decode; 8/8)
+TEST_HEADS = ((4, 2), (8, 1), (8, 8))
+TEST_DTYPE, TEST_HEAD_DIM = "float16", 64
+
+
 def default_builds() -> list[tuple]:
     """The bench's FlashInfer baselines for its cases a-e and its grid's FlashInfer configs (the run
-    gpu_session.sh's kernels and grid phases make; serving's model has the cases' shape)."""
+    gpu_session.sh's kernels and grid phases make; serving's model has the cases' shape), then the
+    same wrappers at the engine's FlashInfer tests' shapes (decode and prefill each)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_attention
 
     args = bench_attention.make_parser().parse_args(["--suite", "full", "--flashinfer-grid", "target"])
-    return bench_attention.flashinfer_builds(args, bench_attention.cases(1))
+    builds = bench_attention.flashinfer_builds(args, bench_attention.cases(1))
+    for hq, hkv in TEST_HEADS:
+        for kind in ("decode", "prefill"):
+            if (item := (TEST_DTYPE, hq, hkv, TEST_HEAD_DIM, kind, "paged")) not in builds:
+                builds.append(item)
+    return builds
 
 
 def cuda_home() -> Path:

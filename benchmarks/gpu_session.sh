@@ -186,8 +186,8 @@ print(' '.join(b for b, why in c.items() if why != 'ok'))" "$WORK"/results/atten
         bash benchmarks/run_ablations.sh "$group"
     done
     # FlashInfer inside the engine (the tests phase skips it), after the measurements: its tests use
-    # other shapes (fp16, head dim 64) whose JIT modules compile one after another, minutes that
-    # would otherwise come out of the ablations' budget
+    # other shapes (fp16, head dim 64) whose JIT modules, unless carried in .flashinfer_aot/, compile
+    # one after another, minutes that would otherwise come out of the ablations' budget
     if [ $fi_tests -eq 1 ]; then
       # shellcheck disable=SC2086
       step pytest_flashinfer python3 -m pytest -q $PYTEST_TIMEOUT -m gpu -k flashinfer \

@@ -40,13 +40,42 @@ def test_target_names_and_the_bench_baselines_it_compiles_for(capsys):
     assert aot.flashinfer_target(env, "0.5.3") == "none"
     env.FLASHINFER_WORKSPACE_DIR = Path("/elsewhere/90a")  # another layout: its last part
     assert aot.flashinfer_target(env, "0.5.3") == "90a"
-    # the bench's cases and its grid's FlashInfer configs: the served model's shape, four baselines
+    # the bench's cases and its grid's FlashInfer configs: the served model's shape, four baselines;
+    # then the engine's FlashInfer tests' shapes, decode and prefill each
+    tests = [("float16", hq, hkv, 64, kind, "paged") for hq, hkv in aot.TEST_HEADS for kind in ("decode", "prefill")]
     assert aot.default_builds() == [
         ("bfloat16", 32, 8, 128, "decode", "paged"),
         ("bfloat16", 32, 8, 128, "prefill", "paged"),
         ("bfloat16", 32, 8, 128, "mixed", "paged"),
         ("bfloat16", 32, 8, 128, "mixed", "pod"),
+        *tests,
     ]
+
+
+def test_the_test_shapes_are_those_of_the_engines_flashinfer_tests():
+    """TEST_HEADS follows the tests it compiles for: test_cuda_graph.py's FlashInfer graph tests'
+    heads (fp16, head dim 64) and test_backend_logits.py's model (fp16; build_checkpoint's default
+    4/2 heads at hidden size 256: head dim 64)."""
+    import inspect
+
+    import test_backend_logits
+    import test_cuda_graph
+    from checkpoints import build_checkpoint
+
+    aot = load_aot()
+    assert (aot.TEST_DTYPE, aot.TEST_HEAD_DIM) == ("float16", 64)
+    test = test_cuda_graph.test_flashinfer_decode_graphs_match_its_eager_run_on_gpu
+    (mark,) = [m for m in test.pytestmark if m.name == "parametrize"]
+    assert mark.args[0].startswith("heads,")
+    assert {params[0] for params in mark.args[1]} == set(aot.TEST_HEADS)
+    source = inspect.getsource(test)
+    assert "hidden_size=64 * num_heads" in source and 'dtype="float16"' in source
+    defaults = inspect.signature(build_checkpoint).parameters
+    heads = defaults["num_heads"].default, defaults["num_kv_heads"].default
+    assert heads in aot.TEST_HEADS and 256 // heads[0] == aot.TEST_HEAD_DIM
+    source = inspect.getsource(test_backend_logits)
+    assert 'build_checkpoint(tmp_path_factory.mktemp("llama64"), "llama", hidden_size=256)' in source
+    assert 'check_backend(checkpoint, sequences, kernels, "float16", "cuda"' in source
 
 
 def test_curand_headers_come_from_the_toolkit_or_out_of_its_wheel(tmp_path):
@@ -277,7 +306,9 @@ def test_discovery_finds_the_modules_the_wrappers_ask_for(tmp_path):
     """With FlashInfer importable (an optional dependency, not installed by CI), in a process of its
     own with FlashInfer imported for sm_90a: running the bench's baselines on CPU with the loader
     recorded finds exactly the five modules FlashInfer's generators name for them (decode on CUDA
-    cores at group 4, the FA3 prefill, its page helper, POD's FA2 prefill and POD), leaves no stand-in
+    cores at group 4, the FA3 prefill, its page helper, POD's FA2 prefill and POD), then the three of
+    the tests' fp16 head-dim-64 shapes (decode on CUDA cores; the FA3 prefill; the FA2 prefill,
+    which FlashInfer's tensor-core decode at group 8 runs), leaves no stand-in
     in FlashInfer's module caches, and a module put where ``member`` says is one FlashInfer loads
     ahead of compiling (``is_aot``)."""
     pytest.importorskip("flashinfer.jit.core", reason="FlashInfer is not installed (optional)")
@@ -289,12 +320,15 @@ from flashinfer.jit import env
 from flashinfer.jit.attention import modules as m
 from flashinfer.jit.page import gen_page_module
 names = [s.name for s in a.discover(a.default_builds())]
-b, i = torch.bfloat16, torch.int32
+b, h, i = torch.bfloat16, torch.float16, torch.int32
 expected = [m.gen_batch_decode_module(b, b, b, i, 128, 128, 0, False, False).name,
             m.gen_batch_prefill_module("fa3", b, b, b, i, 128, 128, 0, False, False, False).name,
             gen_page_module().name,
             m.gen_batch_prefill_module("fa2", b, b, b, i, 128, 128, 0, False, False, False).name,
-            m.gen_batch_pod_module(b, b, b, 128, 0, False, False, False, i, 0, False, False).name]
+            m.gen_batch_pod_module(b, b, b, 128, 0, False, False, False, i, 0, False, False).name,
+            m.gen_batch_decode_module(h, h, h, i, 64, 64, 0, False, False).name,
+            m.gen_batch_prefill_module("fa3", h, h, h, i, 64, 64, 0, False, False, False).name,
+            m.gen_batch_prefill_module("fa2", h, h, h, i, 64, 64, 0, False, False, False).name]
 cached = sum(f.cache_info().currsize for mod in (flashinfer.prefill, flashinfer.decode, flashinfer.page, flashinfer.pod)
              for f in vars(mod).values() if hasattr(f, "cache_info"))
 env.FLASHINFER_AOT_DIR = __import__("pathlib").Path({str(tmp_path)!r})
