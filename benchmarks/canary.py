@@ -10,11 +10,12 @@ the rest.
 
     python benchmarks/canary.py                       # ours on this GPU; a JSON line {backend: "ok" | reason}
     python benchmarks/canary.py --backends triton cuda-wgmma-2wg --passed   # also the passing names, on stdout
-    python benchmarks/canary.py --served auto --failed   # the kernels a server's backend runs; "name: why" per failure
+    python benchmarks/canary.py --served auto --model DIR --failed   # our attention kernels a server of
+        # that checkpoint runs with --attention-backend auto, at its shape; a line "name: why" per failure
 
 Run by ``bench_attention.py`` (the backends that do not pass are left out of its cases and grid,
 and the report says why), ``profiles/ncu_kernels.sh``, ``benchmarks/run_ablations.sh`` (a server
-whose kernels did not pass is not started: ``--served``), and on a GPU by ``tests/conftest.py`` (the
+whose attention kernels did not pass is not started: ``--served``), and on a GPU by ``tests/conftest.py`` (the
 tests of a kernel that faulted, hung or was wrong fail without launching it; a call our own checks
 refuse, reported as ``refused: ...``, is not a failure there). ``--device cpu`` runs the same
 batches through the Triton interpreter and the CUDA kernels' emulator, at smaller shapes (tests).
@@ -70,12 +71,22 @@ def _attention(backend: str) -> Callable:
     return ops.attention_of(backend)
 
 
-def batches(device: str) -> list[tuple[str, object, Callable[[str], bool]]]:
+def parse_shape(text: str) -> tuple[str, int, int, int]:
+    """``DTYPE:HQ:HKV:D`` (as ``--shape`` and the child's command line write it)."""
+    dtype, *heads = text.split(":")
+    return (dtype, *map(int, heads))
+
+
+def batches(
+    device: str, shape: tuple[str, int, int, int] | None = None
+) -> list[tuple[str, object, Callable[[str], bool]]]:
     """Small batches that reach each kernel's paths, with the backends each is for: prefill tiles
     over a prefix (whole, partial and masked stages; on a GPU, a 280-row chunk's last 128-row tile is
     partly empty), decodes short and long (split KV on the CUDA kernels), 16-token pages (where the
     TMA tiles apply) and 1-token pages (their fallback); then, for the CUDA kernels, the grid's other
-    instantiations: fp16 at head dim 64, and head dim 256 (not the wgmma tiles', up to 128)."""
+    instantiations: fp16 at head dim 64, and head dim 256 (not the wgmma tiles', up to 128).
+    ``shape`` (dtype name, Hq, Hkv, D: a served model's): the first two at that shape, on every
+    device, and not the grid's others."""
     import dataclasses
 
     import torch
@@ -105,6 +116,10 @@ def batches(device: str) -> list[tuple[str, object, Callable[[str], bool]]]:
         ("fp16, head dim 64", other, 16, fp16, (32, 8, 64), (4, 2, 64), cuda),
         ("head dim 256", other, 16, bf16, (16, 4, 256), (4, 2, 256), not_wgmma),
     )
+    if shape is not None:
+        dtype, *heads = shape
+        specs = tuple((f"{name}, the model's {dtype} {'/'.join(map(str, heads))}", lens, page, getattr(torch, dtype),
+                       tuple(heads), tuple(heads), runs) for name, lens, page, _, _, _, runs in specs[:2])  # fmt: skip
     out = []
     for name, (q_lens, seq_lens), page, dtype, gpu_shape, cpu_shape, runs in specs:
         hq, hkv, d = gpu_shape if gpu else cpu_shape
@@ -133,7 +148,7 @@ def worst_sequence_error(out, ref, q_lens: list[int]) -> float:
     return worst
 
 
-def child(backends: list[str], device: str) -> None:
+def child(backends: list[str], device: str, shape: tuple[str, int, int, int] | None = None) -> None:
     """Each backend on each batch, output poisoned first and checked against float64; a line
     ``CANARY start|ok|bad <backend> [reason]`` each, flushed, so the parent knows which one a
     fault or a hang belongs to. Imports, CUDA's start and the references come before the first
@@ -148,7 +163,7 @@ def child(backends: list[str], device: str) -> None:
 
     if device == "cpu" and any(b.startswith("cuda") for b in backends):
         cuda_backend.use_emulator()
-    cases = batches(device)
+    cases = batches(device, shape)
     expected = [reference.paged_attention(*batch.to_float64()) for _, batch, _ in cases]
     for backend in backends:
         print(f"{MARK}start {backend}", flush=True)
@@ -212,13 +227,16 @@ def run_canary(
     startup_seconds: float = 240.0,
     device: str = "cuda",
     command: Callable[[list[str]], list[str]] | None = None,
+    shape: tuple[str, int, int, int] | None = None,
 ) -> dict[str, str]:
     """``{backend: "ok" | reason}`` for each of ``backends``, run in child processes: a child gets
     ``startup_seconds`` to its first line (imports, CUDA's start), a backend ``seconds`` from its
     start line (Triton's gets ``startup_seconds``: it compiles); one that hangs or whose child dies
     is marked with why, and a new child runs those left. ``command(backends)`` (tests) is the
-    child's command line."""
+    child's command line; ``shape``: ``batches``'."""
     here = [sys.executable, str(Path(__file__).resolve()), "--parent", str(os.getpid())]
+    if shape is not None:
+        here += ["--shape", ":".join(map(str, shape))]
     command = command or (lambda names: [*here, "--child", device, *names])
     startup_seconds = max(startup_seconds, seconds)
     results: dict[str, str] = {}
@@ -276,6 +294,25 @@ def failed(results: dict[str, str], refused: bool = True) -> dict[str, str]:
     return {b: why for b, why in results.items() if why != "ok" and (refused or not why.startswith(REFUSED))}
 
 
+def served_shape(model: Path, dtype: str, device: str, parser: argparse.ArgumentParser) -> tuple[str, int, int, int]:
+    """(dtype name, Hq, Hkv, D) of a server of ``model`` with ``--dtype dtype`` on ``device``."""
+    import torch
+
+    from minengine.config import DTYPES
+    from minengine.engine import resolve_dtype
+    from minengine.models.config import ModelConfig
+
+    if dtype not in DTYPES:
+        parser.error(f"--dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+    path = model / "config.json"
+    try:
+        cfg = ModelConfig.from_hf(json.loads(path.read_text()), str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(f"--model {model}: no usable config.json ({type(exc).__name__}: {exc})")
+    name = str(resolve_dtype(dtype, torch.device(device))).removeprefix("torch.")
+    return name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+
 def main(argv: list[str] | None = None) -> dict[str, str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group()
@@ -284,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         "--served",
         metavar="ATTENTION_BACKEND",
         default=None,
-        help="the kernels of ours that a server started with --attention-backend ATTENTION_BACKEND runs here "
+        help="our attention kernels that a server started with --attention-backend ATTENTION_BACKEND runs here "
         "(minengine.ops.attention_kernels)",
     )
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -305,21 +342,37 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
         help="print a line 'backend: why' for each that did not pass (refused calls too) on stdout, the JSON on "
         "stderr: nothing when all passed",
     )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="with --served: the served checkpoint (its config.json): the batches at its head counts and head "
+        "dim, and of auto's table only the entries for its calls",
+    )
+    parser.add_argument("--dtype", default="auto", help="with --model: the server's --dtype (auto: as the engine)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", type=parse_shape, default=None, help=argparse.SUPPRESS)  # the child's batches
     args, rest = parser.parse_known_args(argv)
-    if args.child is not None:  # the child process: --parent PID --child DEVICE BACKEND...
+    if args.child is not None:  # the child process: --parent PID [--shape S] --child DEVICE BACKEND...
         if args.parent is not None:
             die_with_parent(args.parent)
-        child(rest, args.child)
+        child(rest, args.child, args.shape)
         return {}
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.model is not None and args.served is None:
+        parser.error("--model goes with --served (the kernels a server of that model runs)")
+    shape = None
     if args.served is not None:
         from minengine import ops
 
+        dtype = head_dim = None
+        if args.model is not None:
+            shape = served_shape(args.model, args.dtype, args.device, parser)
+            dtype, head_dim = shape[0], shape[3]
         try:
-            backends = list(ops.attention_kernels(args.served, args.device))
+            backends = list(ops.attention_kernels(args.served, args.device, dtype, head_dim))
         except ValueError as exc:  # an unknown name: the message lists the allowed ones
             parser.error(f"--served: {exc}")
     else:
@@ -327,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     # a caller's time limit (SIGTERM) ends the run through run_canary's clean-up: its child goes too
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        results = run_canary(backends, args.seconds, args.startup_seconds, args.device)
+        results = run_canary(backends, args.seconds, args.startup_seconds, args.device, shape=shape)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(json.dumps(results), file=sys.stderr if args.passed or args.failed else sys.stdout, flush=True)

@@ -51,7 +51,8 @@ case $PHASE in
 esac
 if [ "$PHASE" = serving ] && [ $# -eq 0 ]; then  # (before any install or build: a typo costs nothing)
   echo "serving needs its groups, about what fits one call: 'backends' (FlashInfer's JIT warm-up, then"
-  echo "3 servers, ~400 s), 'overlap chunk' (5 servers, ~450 s), 'delayer' (2 servers, ~150 s)"
+  echo "3 servers, ~400 s), 'overlap chunk' (5 servers, ~450 s), 'delayer' (2 servers, ~150 s); each"
+  echo "group also runs our kernels' canary for its servers' backends first (a child process each, unmeasured)"
   exit 2
 fi
 DEST=${OUT:-benchmarks/results}
@@ -180,9 +181,10 @@ print(' '.join(b for b, why in c.items() if why != 'ok'))" "$WORK"/results/atten
         fi_tests=1 ;;
     esac
     # the canary's verdicts (run_ablations.sh checks a server's kernels before starting it) kept for
-    # the call's later groups, and packed with the logs
+    # the call's later groups, and packed with the logs; a benchmark stopped after 240 s (the
+    # workloads' arrivals take 25-50 s), so a hung server leaves the group's later runs some time
     for group in "$@"; do
-      step "ablations_$group" env RESULTS_DIR="$WORK/results" CANARY_DIR="$WORK/logs/canary" \
+      step "ablations_$group" env RESULTS_DIR="$WORK/results" CANARY_DIR="$WORK/logs/canary" RUN_SECONDS=240 \
         bash benchmarks/run_ablations.sh "$group"
     done
     # FlashInfer inside the engine (the tests phase skips it), after the measurements: its tests use

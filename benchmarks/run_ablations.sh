@@ -21,12 +21,15 @@
 # A server that fails to start (e.g. flashinfer not importable) is logged and its run skipped; the
 # other runs go on. The script exits non-zero when any run failed.
 #
-# Before a server starts, the kernels of ours its --attention-backend runs (triton, cuda, or what
-# `auto`'s tuning table picks; none for flashinfer) go through benchmarks/canary.py once (results
-# kept in $CANARY_DIR, a fresh directory unless given): a run whose kernels fault, hang or are wrong
-# is skipped with the reason, instead of a hung server taking the rest of the group's time. A
-# benchmark that runs past RUN_SECONDS (default 420) is stopped and its run counted as failed, so
-# a server that hangs on a batch the canary did not cover costs one run, not the group.
+# Before a server starts, our attention kernels that its --attention-backend runs (triton, cuda, or
+# what `auto`'s tuning table picks for the model's calls; none for flashinfer) go through
+# benchmarks/canary.py once, on small batches at the model's head counts, head dim and dtype
+# (results kept in $CANARY_DIR, a fresh directory unless given): a run whose kernels fault, hang or
+# are wrong is skipped with the reason, instead of a hung server taking the rest of the group's
+# time. (Our store, gather and layer kernels, which every backend's server runs, are not checked.)
+# A benchmark that runs past RUN_SECONDS (default 420) is stopped, its run counted as failed and its
+# server's processes killed, so a server that hangs on a batch the canary did not cover costs
+# RUN_SECONDS instead of whatever time limit the caller has left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS_DIR=${RESULTS_DIR:-benchmarks/results}
@@ -49,35 +52,62 @@ BENCH="$BENCH --out $RESULTS_DIR"
 FAILED=0
 CANARY_DIR=${CANARY_DIR:-$(mktemp -d)}
 RUN_SECONDS=${RUN_SECONDS:-420}
+if ! [[ $RUN_SECONDS =~ ^[1-9][0-9]*$ ]]; then
+  echo "RUN_SECONDS=$RUN_SECONDS: expected a whole number of seconds, at least 1" >&2
+  exit 2
+fi
 mkdir -p "$CANARY_DIR"
 
 healthy() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; }
 
-stop() {  # stop PID: SIGTERM, then SIGKILL after 30 s
+descendants() {  # descendants PID: its child processes' ids, and theirs, deepest first
+  local child
+  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+    descendants "$child"
+    echo "$child"
+  done
+}
+
+stop() {  # stop PID: SIGTERM, then SIGKILL after 30 s to it and what it started (a scheduler stuck in
+  # a CUDA call runs no signal handler: left alone, it would keep the GPU's memory from the next server)
+  local tree
+  tree="$(descendants "$1") $1"
   kill -TERM "$1" 2>/dev/null
   for _ in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
-  kill -KILL "$1" 2>/dev/null
+  # shellcheck disable=SC2086
+  kill -KILL $tree 2>/dev/null
   wait "$1" 2>/dev/null
 }
 
-canary_failures() {  # canary_failures ATTENTION_BACKEND: a line "kernel: why" for each of its kernels that failed
-  local file="$CANARY_DIR/$1.txt"
-  if [ ! -e "$file" ]; then
-    if ! python3 benchmarks/canary.py --served "$1" --failed --seconds 20 --startup-seconds 180 \
-        > "$file.part" 2> "$CANARY_DIR/$1.json"; then
-      echo "== the canary script failed for --attention-backend $1 ($(tail -n 1 "$CANARY_DIR/$1.json")); its runs go ahead" >&2
-      : > "$file.part"
-    fi
-    mv -f "$file.part" "$file"
+flag_value() {  # flag_value NAME "FLAGS" DEFAULT: the value of --NAME in FLAGS (the last, as argparse takes it)
+  local value=$3 previous="" word
+  for word in $2; do
+    case $word in "--$1="*) value=${word#*=} ;; esac
+    [ "$previous" = "--$1" ] && value=$word
+    previous=$word
+  done
+  echo "$value"
+}
+
+canary_failures() {  # canary_failures ATTENTION_BACKEND DTYPE: a line "kernel: why" for each of its kernels that failed
+  local name="$1-$2" verdict
+  if [ -e "$CANARY_DIR/$name.txt" ]; then
+    cat "$CANARY_DIR/$name.txt"
+    return
   fi
-  cat "$file"
+  if verdict=$(python3 benchmarks/canary.py --served "$1" --model "$MODEL" --dtype "$2" --failed \
+      --seconds 20 --startup-seconds 180 2> "$CANARY_DIR/$name.json"); then
+    echo "$verdict" > "$CANARY_DIR/$name.txt"  # (kept only when the script ran: a failed one is tried again)
+    echo "$verdict"
+  else
+    echo "== the canary script failed for --attention-backend $1 ($(tail -n 1 "$CANARY_DIR/$name.json")); the run goes ahead" >&2
+  fi
 }
 
 run() {  # run TAG "SERVER FLAGS" "BENCH FLAGS"
   echo "== $1: server flags [$2]" >&2
-  local backend=auto failures flag=' --attention-backend ([^ ]+) '
-  [[ " $2 " =~ $flag ]] && backend=${BASH_REMATCH[1]}
-  failures=$(canary_failures "$backend")
+  local failures
+  failures=$(canary_failures "$(flag_value attention-backend "$2" auto)" "$(flag_value dtype "$2" auto)")
   if [ -n "$failures" ]; then
     echo "== $1: run skipped: its kernels did not pass their canary run (benchmarks/canary.py):" >&2
     echo "$failures" | sed 's/^/     /' >&2
@@ -100,7 +130,7 @@ run() {  # run TAG "SERVER FLAGS" "BENCH FLAGS"
   # (--foreground: in the caller's process group, so a time limit around this script stops it too)
   timeout --foreground -k 20 "$RUN_SECONDS" $BENCH --tag "$1" $3
   rc=$?
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+  if { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ $((SECONDS - begin)) -ge "$RUN_SECONDS" ]; then
     echo "== $1: the benchmark ran past RUN_SECONDS=$RUN_SECONDS ($((SECONDS - begin)) s) and was stopped (a hung server?); no results" >&2
   fi
   [ $rc -eq 0 ] || FAILED=1

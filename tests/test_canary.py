@@ -307,26 +307,34 @@ def test_ncu_script_skips_what_the_canary_left_out(tmp_path, skip):
 
 
 def test_serving_runs_start_only_servers_whose_kernels_passed_their_canary_run(tmp_path):
-    """benchmarks/run_ablations.sh: a run whose --attention-backend's kernels failed the canary is
-    skipped with the reason and starts no server; one whose canary script itself failed goes ahead;
-    the canary runs once per backend; a benchmark past RUN_SECONDS is stopped and the next run goes
-    on. A stand-in python3 records what ran."""
+    """benchmarks/run_ablations.sh: a run whose --attention-backend's kernels failed the canary (at
+    the model's shape and the server's dtype) is skipped with the reason and starts no server; one
+    whose canary script itself failed goes ahead, and the script is tried again for the next; a
+    verdict is kept per backend and dtype; a run without the flag is checked as auto; a benchmark
+    past RUN_SECONDS is stopped, the server's processes killed (one that ignores SIGTERM too), and
+    the next run goes on. A stand-in python3 records what ran."""
     import os
     import subprocess
+    import uuid
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     log = tmp_path / "ran.txt"
+    marker = f"300.{uuid.uuid4().int % 10**6:06d}"  # the server's child that ignores SIGTERM
+    canary = f"*canary.py\\ --served\\ %s\\ --model\\ {tmp_path}\\ --dtype\\ auto\\ --failed\\ *"
     (bin_dir / "python3").write_text(
         "#!/bin/bash\n"
         'case "$*" in\n'
-        f"  *canary.py*--served\\ triton*) echo canary triton >> {log}; echo 'triton: no result (a hang?)' ;;\n"
-        f"  *canary.py*--served\\ cuda*) echo canary cuda >> {log}; echo 'Traceback: boom' >&2; exit 1 ;;\n"
-        f"  *canary.py*--served\\ flashinfer*) echo canary flashinfer >> {log}; echo '{{}}' >&2 ;;\n"
+        f"  {canary % 'triton'}) echo canary triton >> {log}; echo 'triton: no result (a hang?)' ;;\n"
+        f"  {canary % 'cuda'}) echo canary cuda >> {log}; echo 'Traceback: boom' >&2; exit 1 ;;\n"
+        f"  {canary % 'flashinfer'}) echo canary flashinfer >> {log}; echo '{{}}' >&2 ;;\n"
+        f'  {canary % "auto"}) echo canary auto >> {log}; echo \'{{"triton": "ok"}}\' >&2 ;;\n'
+        f'  *canary.py*) echo "canary called otherwise: $*" >> {log} ;;\n'
         "  *urllib*) exit 0 ;;\n"
-        f'  *minengine.serve*) echo "serve ${{*: -1}}" >> {log}; exec sleep 60 ;;\n'
+        f'  *minengine.serve*) echo "serve ${{*: -1}}" >> {log}\n'
+        f'    (trap "" TERM; exec sleep {marker} > /dev/null 2>&1) & exec sleep 60 ;;\n'
         f'  *bench_serving.py*backend-flashinfer*) echo "bench flashinfer" >> {log}; exec sleep 60 ;;\n'
         f'  *bench_serving.py*--tag\\ *) echo "bench $*" | grep -o "tag [^ ]*" >> {log} ;;\n'
         "esac\n"
@@ -337,20 +345,119 @@ def test_serving_runs_start_only_servers_whose_kernels_passed_their_canary_run(t
         "CANARY_DIR": str(tmp_path / "canary"), "RESULTS_DIR": str(tmp_path / "results"),
     }  # fmt: skip
     script = str(root / "benchmarks/run_ablations.sh")
-    done = subprocess.run(["bash", script, "backends", "backends"], env=env, capture_output=True, text=True)
+    try:
+        done = subprocess.run(["bash", script, "backends", "backends", "admission"], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        alive = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", f"sleep {marker}"])  # (it ignores SIGTERM)
     err = done.stderr
     assert done.returncode == 1, done.stdout + err
+    assert not alive, "a server's child outlived its run"
     ran = log.read_text().splitlines()
-    # the serve stand-in logs its last flag: the backend's name
-    once = ["canary triton", "canary cuda", "serve cuda", "tag backend-cuda", "canary flashinfer", "serve flashinfer"]
-    assert ran == [*once, "bench flashinfer", "serve cuda", "tag backend-cuda", "serve flashinfer", "bench flashinfer"]
+    # the serve stand-in logs its last flag (the backend's name, or the admission runs' token count)
+    cuda = ["canary cuda", "serve cuda", "tag backend-cuda"]
+    flashinfer = ["serve flashinfer", "bench flashinfer"]
+    admission = ["serve 65536", "tag admission-preempt", "serve 65536", "tag admission-reserve"]
+    assert ran == ["canary triton", *cuda, "canary flashinfer", *flashinfer, *cuda, *flashinfer, "canary auto",
+                   *admission]  # fmt: skip
     assert err.count("== backend-triton: run skipped: its kernels did not pass their canary run") == 2
     assert "     triton: no result (a hang?)" in err
-    assert err.count("the canary script failed for --attention-backend cuda (Traceback: boom); its runs go ahead") == 1
+    assert err.count("the canary script failed for --attention-backend cuda (Traceback: boom); the run goes ahead") == 2
     assert err.count("== backend-flashinfer: the benchmark ran past RUN_SECONDS=2") == 2
+    assert "ran past" not in err.replace("== backend-flashinfer: the benchmark ran past", "")
     assert sorted(p.name for p in (tmp_path / "canary").iterdir()) == sorted(
-        f"{b}.{ext}" for b in ("triton", "cuda", "flashinfer") for ext in ("txt", "json")
+        [f"{b}-auto.{ext}" for b in ("triton", "flashinfer", "auto") for ext in ("txt", "json")] + ["cuda-auto.json"]
     )
+    done = subprocess.run(["bash", script, "backends"], env={**env, "RUN_SECONDS": "0"}, capture_output=True, text=True)
+    assert done.returncode == 2 and "RUN_SECONDS=0: expected a whole number of seconds, at least 1" in done.stderr
+
+
+def llama_config(path, heads: int, kv_heads: int, head_dim: int):
+    """A config-only checkpoint directory (what a server's shape is read from)."""
+    import json
+
+    path.mkdir()
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": heads * head_dim,
+           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_served_runs_the_backends_kernels_at_the_models_shape(tmp_path, monkeypatch, capsys):
+    """canary.py --served NAME --model DIR: the kernels that backend runs here, on the first two
+    batches at the model's head counts and head dim and the server's dtype (not the grid's other
+    instantiations); --failed prints "name: why" per failure on stdout and the JSON on stderr; bad
+    arguments name the value and what is allowed."""
+    import json
+
+    canary = load_bench("canary")
+    model = llama_config(tmp_path / "m", 8, 2, 32)
+    calls = []
+
+    def run(backends, seconds, startup, device, shape=None):
+        calls.append((backends, device, shape))
+        return {b: "ok" if b == "triton" else "refused: ValueError: no" for b in backends}
+
+    monkeypatch.setattr(canary, "run_canary", run)
+    assert canary.main(["--served", "cuda", "--model", str(model), "--dtype", "float16", "--failed", "--device", "cpu"])
+    assert calls == [(["cuda"], "cpu", ("float16", 8, 2, 32))]
+    out, err = capsys.readouterr()
+    assert out == "cuda: refused: ValueError: no\n" and json.loads(err) == {"cuda": "refused: ValueError: no"}
+    canary.main(["--served", "triton", "--model", str(model), "--failed", "--device", "cpu"])  # auto: the engine's
+    assert calls[-1] == (["triton"], "cpu", ("float32", 8, 2, 32)) and capsys.readouterr().out == ""
+    canary.main(["--served", "flashinfer", "--failed", "--device", "cpu"])  # none of ours, no shape
+    assert calls[-1] == ([], "cpu", None) and capsys.readouterr().out == ""
+    for argv, message in [
+        (["--served", "tvm"], "--served: unknown attention backend 'tvm'; allowed: auto, torch, triton, cuda"),
+        (["--served", "cuda", "--model", str(model), "--dtype", "fp8"], "--dtype 'fp8'; allowed: auto, float32"),
+        (["--served", "cuda", "--model", str(tmp_path)], f"--model {tmp_path}: no usable config.json (FileNotFound"),
+        (["--model", str(model)], "--model goes with --served"),
+        (["--served", "cuda", "--backends", "triton"], "not allowed with argument"),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            canary.main(argv)
+        assert stopped.value.code == 2 and message in capsys.readouterr().err, argv
+    # the child's batches at that shape: the first two of the default ones, named for the model
+    default, shaped = canary.batches("cpu"), canary.batches("cpu", canary.parse_shape("float16:8:2:32"))
+    assert [name.split(",")[0] for name, _, _ in shaped] == [name.split(",")[0] for name, _, _ in default[:2]]
+    for (name, batch, runs), (_, _, default_runs) in zip(shaped, default, strict=False):
+        assert name.endswith("the model's float16 8/2/32") and runs.__name__ == default_runs.__name__
+        assert batch.q.dtype == torch.float16 and tuple(batch.q.shape[1:]) == (8, 32) and batch.k_cache.shape[-2] == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run")
+def test_served_canary_runs_our_kernels_at_a_models_shape_on_cpu(tmp_path, capsys):
+    """The real child process with a model's shape (the Triton interpreter and the CUDA kernels'
+    emulator): both pass at GQA group 4, head dim 32."""
+    canary = load_bench("canary")
+    model = llama_config(tmp_path / "m", 8, 2, 32)
+    from minengine.ops import cuda_emulator
+
+    backends = ["triton"] if cuda_emulator.unavailable_reason() else ["triton", "cuda"]
+    for backend in backends:
+        results = canary.main(["--served", backend, "--model", str(model), "--failed", "--device", "cpu"])
+        assert results == {backend: "ok"} and capsys.readouterr().out == ""
+
+
+def test_a_flags_value_is_read_as_argparse_reads_it():
+    """run_ablations.sh's flag_value: ``--name value`` and ``--name=value``, the last one winning,
+    the default without either."""
+    import subprocess
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "benchmarks/run_ablations.sh").read_text()
+    function = script[script.index("flag_value() {") :].split("\n}\n")[0] + "\n}\n"
+    for flags, expected in [
+        ("--attention-backend cuda", "cuda"),
+        ("--port 1 --attention-backend=flashinfer --disable-cuda-graph", "flashinfer"),
+        ("--attention-backend triton --attention-backend=cuda", "cuda"),
+        ("--disable-cuda-graph", "auto"),
+        ("", "auto"),
+    ]:
+        code = function + f'flag_value attention-backend "{flags}" auto'
+        assert subprocess.run(["bash", "-c", code], capture_output=True, text=True).stdout.strip() == expected
 
 
 def test_gpu_test_runs_fail_the_tests_of_a_kernel_that_failed_its_canary_run(monkeypatch):

@@ -148,5 +148,24 @@ def test_attention_kernels_name_what_each_backend_runs(monkeypatch):
     table = {"decode/bfloat16/128": "cuda-wgmma-2wg", "mixed/bfloat16/128": "cuda", "prefill/float16/64": "cuda"}
     monkeypatch.setattr(ops, "_tuning_table", lambda device: table)
     assert ops.attention_kernels("auto", "cuda") == ("triton", "cuda", "cuda-wgmma-2wg")
+    # a model's calls only: its dtype and head dim
+    assert ops.attention_kernels("auto", "cuda", torch.bfloat16, 128) == ("triton", "cuda", "cuda-wgmma-2wg")
+    assert ops.attention_kernels("auto", "cuda", torch.float16, 64) == ("triton", "cuda")
+    assert ops.attention_kernels("auto", "cuda", torch.float16, 128) == ("triton",)
+    # each a name attention_of takes, and every kernel the tuned attention dispatches to among them
+    for name in tuning.CHOICES:
+        ops.attention_of(name)
+    dispatched = []
+    kernels = {name: (lambda *a, _n=name, **k: dispatched.append(_n)) for name in tuning.CHOICES}
+    attention = tuning.tuned_attention(table, kernels)
+    for dtype, head_dim in ((torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 128)):
+        cache = torch.zeros(1, 1, 1, head_dim, dtype=dtype)
+        kinds, dispatched[:] = [], []
+        for cu, max_q in (([0, 1, 2, 3], 1), ([0, 3], 3), ([0, 5, 6, 7], 5)):  # decode, prefill, mixed
+            kinds.append(tuning.call_kind(cu[-1], len(cu) - 1, max_q))
+            q = torch.zeros(cu[-1], 4, head_dim, dtype=dtype)
+            attention(q, cache, cache, None, None, torch.tensor(cu), max_q)
+        assert kinds == list(tuning.KINDS)
+        assert set(dispatched) <= set(ops.attention_kernels("auto", "cuda", dtype, head_dim)), (dtype, dispatched)
     with pytest.raises(ValueError, match="unknown attention backend 'tvm'; allowed: auto, torch, triton"):
         ops.attention_kernels("tvm", "cuda")

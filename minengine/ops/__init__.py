@@ -137,15 +137,21 @@ def attention_of(name: str) -> Callable[..., torch.Tensor]:
     return functools.partial(cuda.paged_attention, impl=impl)
 
 
-def attention_kernels(name: str, device: torch.device | str) -> tuple[str, ...]:
+def attention_kernels(
+    name: str, device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> tuple[str, ...]:
     """Our attention kernels (as ``attention_of`` names them) that the backend ``name`` runs on
     ``device``: ``triton``; ``cuda``; ``auto`` on CUDA: triton, or triton (the calls its table does not
-    list) and the table's backends; none for ``torch`` and ``flashinfer``."""
+    list) and the table's backends (with ``dtype`` and ``head_dim`` both given, those of its entries
+    for that model's calls only); none for ``torch`` and ``flashinfer``."""
     backend = resolve_backend(name, device)
     if backend == "tuned":
         from minengine.ops import tuning
 
         table = _tuning_table(torch.device(device)) or {}
+        if dtype is not None and head_dim is not None:
+            keys = [tuning.table_key(kind, dtype, head_dim) for kind in tuning.KINDS]
+            table = {key: table[key] for key in keys if key in table}
         return tuple(b for b in tuning.CHOICES if b == "triton" or b in table.values())
     return (backend,) if backend in ("triton", "cuda") else ()
 
