@@ -11,13 +11,13 @@ whose last step (the engine's FlashInfer tests, fp16 at head dim 64) needs three
 Which modules: those FlashInfer's wrappers ask for when bench_attention's warm-up builds the
 baselines of its cases and of its grid's FlashInfer configs (the served model's shape too: bf16,
 32/8/128), and at the shapes of the engine's FlashInfer GPU tests (fp16, head dim 64), which run
-at the end of `serving backends`. They are found by running that same code (``build_baseline``) here on CPU tensors in a
-child process, with FlashInfer's module loader replaced by a recorder that hands back a stand-in
-module, and an sm_90a device standing in where the wrappers ask CUDA, so the list follows the bench
-and FlashInfer's own naming instead of copying either. Then FlashInfer's ``build_jit_specs`` compiles
-them in one ninja run with this machine's nvcc for the GPU machine's target (FlashInfer's link
-line asks for the driver library, which this machine lacks: a stub stands in; a module that calls
-the driver API and does not name it is refused).
+at the end of `serving backends`. They are found by running that same code (``build_baseline``)
+here on CPU tensors in a child process, with FlashInfer's module loader replaced by a recorder that
+hands back a stand-in module, and an sm_90a device standing in where the wrappers ask CUDA, so the
+list follows the bench and FlashInfer's own naming instead of copying either. Then FlashInfer's
+``build_jit_specs`` compiles them in one ninja run with this machine's nvcc for the GPU machine's
+target (FlashInfer's link line asks for the driver library, which this machine lacks: a stub stands
+in; a module that calls the driver API and does not name it is refused).
 
 On the GPU machine ``--install`` copies them into FlashInfer's AOT directory
 (``flashinfer/data/aot/<name>/<name>.so``, which FlashInfer loads before looking at its JIT cache)

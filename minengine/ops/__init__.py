@@ -138,7 +138,7 @@ def attention_of(name: str) -> Callable[..., torch.Tensor]:
 
 
 def attention_kernels(
-    name: str, device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None
+    name: str, device: torch.device | str, dtype: torch.dtype | str | None = None, head_dim: int | None = None
 ) -> tuple[str, ...]:
     """Our attention kernels (as ``attention_of`` names them) that the backend ``name`` runs on
     ``device``: ``triton``; ``cuda``; ``auto`` on CUDA: triton, or triton (the calls its table does not
