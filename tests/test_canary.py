@@ -427,6 +427,27 @@ def test_served_runs_the_backends_kernels_at_the_models_shape(tmp_path, monkeypa
         assert batch.q.dtype == torch.float16 and tuple(batch.q.shape[1:]) == (8, 32) and batch.k_cache.shape[-2] == 2
 
 
+def test_triton_runs_unsplit_for_the_bench_and_as_served_at_a_models_shape(monkeypatch, capsys):
+    """The bench's canary runs Triton unsplit (its compile is the bench's cases'); at a served
+    model's shape, with the splits a server's calls get (its long decodes: split KV)."""
+    canary = load_bench("canary")
+    calls = []
+    real = canary._attention
+
+    def recording(backend: str):
+        def call(*args, **kwargs):
+            calls.append(kwargs.get("num_splits"))
+            return real(backend)(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(canary, "_attention", recording)
+    canary.child(["triton"], "cpu")
+    canary.child(["triton"], "cpu", ("float32", 4, 2, 32))
+    verdicts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("CANARY ok")]
+    assert calls == [1, None] and verdicts == ["CANARY ok triton"] * 2
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run")
 def test_served_canary_runs_our_kernels_at_a_models_shape_on_cpu(tmp_path, capsys):
     """The real child process with a model's shape (the Triton interpreter and the CUDA kernels'
