@@ -90,11 +90,17 @@ TEST_HEADS = ((4, 2), (8, 1), (8, 8))
 TEST_DTYPE, TEST_HEAD_DIM = "float16", 64
 
 
+def _bench_importable() -> None:
+    """bench_attention importable (once on the path, however often asked)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
 def default_builds() -> list[tuple]:
     """The bench's FlashInfer baselines for its cases a-e and its grid's FlashInfer configs (the run
     gpu_session.sh's kernels and grid phases make; serving's model has the cases' shape), then the
     same wrappers at the engine's FlashInfer tests' shapes (decode and prefill each)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    _bench_importable()
     import bench_attention
 
     args = bench_attention.make_parser().parse_args(["--suite", "full", "--flashinfer-grid", "target"])
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         print("flashinfer aot: " + install(args.install), flush=True)
         return 0
     if args.child is not None:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
+        _bench_importable()
         child(json.loads(args.child), args.out, args.jobs, args.arch)
         return 0
     if args.jobs < 1:
