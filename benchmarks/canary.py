@@ -295,19 +295,19 @@ def failed(results: dict[str, str], refused: bool = True) -> dict[str, str]:
     return {b: why for b, why in results.items() if why != "ok" and (refused or not why.startswith(REFUSED))}
 
 
-def served_shape(model: Path, dtype: str, device: str, parser: argparse.ArgumentParser) -> tuple[str, int, int, int]:
-    """(dtype name, Hq, Hkv, D) of a server of ``model`` with ``--dtype dtype`` on ``device``."""
+def served_shape(model: str, dtype: str, device: str, parser: argparse.ArgumentParser) -> tuple[str, int, int, int]:
+    """(dtype name, Hq, Hkv, D) of a server of ``model`` (a checkpoint directory, or ``tiny``) with
+    ``--dtype dtype`` on ``device``: the config read as the server reads it."""
     import torch
 
     from minengine.config import DTYPES
     from minengine.engine import resolve_dtype
-    from minengine.models.config import ModelConfig
+    from minengine.models import load_model_config
 
     if dtype not in DTYPES:
         parser.error(f"--dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-    path = model / "config.json"
     try:
-        cfg = ModelConfig.from_hf(json.loads(path.read_text()), str(path))
+        cfg = load_model_config(model)
     except (OSError, ValueError, KeyError) as exc:
         parser.error(f"--model {model}: no usable config.json ({type(exc).__name__}: {exc})")
     name = str(resolve_dtype(dtype, torch.device(device))).removeprefix("torch.")
@@ -345,10 +345,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     )
     parser.add_argument(
         "--model",
-        type=Path,
         default=None,
-        help="with --served: the served checkpoint (its config.json): the batches at its head counts and head "
-        "dim, and of auto's table only the entries for its calls",
+        help="with --served: the served model, a checkpoint directory (its config.json) or tiny: the batches at "
+        "its head counts and head dim, and of auto's table only the entries for its calls",
     )
     parser.add_argument("--dtype", default="auto", help="with --model: the server's --dtype (auto: as the engine)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

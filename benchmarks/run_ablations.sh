@@ -16,7 +16,7 @@
 #     delayer   prefill delayer off / on, dp-size 1, bursty arrivals (gamma gaps, shape 0.2)
 #     admission --kv-admission preempt / reserve with the KV pool cut to 64k tokens, long outputs:
 #               more requests at once and recomputation vs fewer and none (not in the default list)
-#   MODEL=<checkpoint dir> bash benchmarks/run_ablations.sh ...   (default: a Llama-3-8B-shaped dummy)
+#   MODEL=<checkpoint dir, or tiny> bash benchmarks/run_ablations.sh ...   (default: a Llama-3-8B-shaped dummy)
 #
 # A server that fails to start (e.g. flashinfer not importable) is logged and its run skipped; the
 # other runs go on. The script exits non-zero when any run failed.

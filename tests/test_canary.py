@@ -13,6 +13,8 @@ import pytest
 import torch
 from test_bench_smoke import load_bench
 
+from minengine.models import load_model_config
+
 # A stand-in child: the backend's name says what it does.
 FAKE_CHILD = textwrap.dedent(
     """
@@ -407,6 +409,9 @@ def test_served_runs_the_backends_kernels_at_the_models_shape(tmp_path, monkeypa
     assert out == "cuda: refused: ValueError: no\n" and json.loads(err) == {"cuda": "refused: ValueError: no"}
     canary.main(["--served", "triton", "--model", str(model), "--failed", "--device", "cpu"])  # auto: the engine's
     assert calls[-1] == (["triton"], "cpu", ("float32", 8, 2, 32)) and capsys.readouterr().out == ""
+    canary.main(["--served", "triton", "--model", "tiny", "--failed", "--device", "cpu"])  # the embedded model
+    tiny = load_model_config("tiny")
+    assert calls[-1] == (["triton"], "cpu", ("float32", tiny.num_heads, tiny.num_kv_heads, tiny.head_dim))
     canary.main(["--served", "flashinfer", "--failed", "--device", "cpu"])  # none of ours, no shape
     assert calls[-1] == ([], "cpu", None) and capsys.readouterr().out == ""
     for argv, message in [
