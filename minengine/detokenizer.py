@@ -150,15 +150,20 @@ def stop_reason(
     last_token: int | None,
     params: SamplingParams,
     eos_token_id: int | None,
+    end_token_ids: frozenset[int] = frozenset(),
 ) -> str | int | None:
     """What vLLM reports as ``stop_reason``: for finish_reason "stop", the stop string or stop
-    token id that ended the output; None for an end-of-sequence token and any other ending. The
-    tokenizer's EOS (``eos_token_id``) is None also when ``stop_token_ids`` lists it: vLLM checks
-    it first, unless ``ignore_eos``."""
+    token id that ended the output; None for the tokenizer's end-of-sequence token
+    (``eos_token_id``: None also when ``stop_token_ids`` lists it, as vLLM checks it first, unless
+    ``ignore_eos``) and any other ending. The model's other end tokens (``end_token_ids``: its
+    config's and generation_config.json's ``eos_token_id``, e.g. Qwen's ``<|im_end|>``) count as
+    stop token ids, as vLLM adds them to a request's ``stop_token_ids``."""
     if finish_reason != "stop":
         return None
     if detok is not None and detok.stopped:
         return detok.stop_string
     if last_token == eos_token_id and not params.ignore_eos:
         return None
+    if last_token in end_token_ids and not params.ignore_eos:
+        return last_token
     return last_token if last_token in (params.stop_token_ids or ()) else None

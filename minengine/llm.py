@@ -246,10 +246,10 @@ class LLM:
             # it never wrote (and an abort caches a request's pages up to ``num_computed``)
             self.engine.drop_prefix_cache()
             raise
-        results = []
+        results, ends = [], frozenset(self.engine.eos_token_ids)
         for r in reqs:
             last = r.output_ids[-1] if r.output_ids else None
-            why = stop_reason(r.finish_reason, r.detok, last, r.params, self.tokenizer.eos_token_id)
+            why = stop_reason(r.finish_reason, r.detok, last, r.params, self.tokenizer.eos_token_id, ends)
             logprobs = output_logprobs(r.output_ids, r.output_logprobs, self.tokenizer)
             results.append((r.text, r.output_ids, r.finish_reason, why, *logprobs, r.cached_tokens, r.prompt_logprobs))
         return results

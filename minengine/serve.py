@@ -126,7 +126,10 @@ class _Server(uvicorn.Server):
     """uvicorn with our start-up and shutdown. Start-up: the workers load the model and answer
     Ready before the port opens (a worker that fails ends the run with its one-line reason; a
     signal ends it, exit code 0). Shutdown, on SIGTERM / SIGINT: 503 for new requests, in-flight ones
-    end (finished or ``abort``), then exit; a second signal exits at once."""
+    end (finished or ``abort``), then exit; a second signal exits at once. A scheduler that dies
+    while serving (an error in a step, a killed process): its in-flight requests end with an error,
+    and the server exits with its reason and code 1, as vLLM's and SGLang's do, so that whatever
+    supervises it can start a new one instead of routing to a server that can only answer 500."""
 
     def __init__(self, config: uvicorn.Config, state, workers):
         super().__init__(config)
@@ -176,12 +179,27 @@ class _Server(uvicorn.Server):
             except OSError as exc:
                 self.listen_failed = exc
                 return
-            await super().serve(sockets)
+            watch = asyncio.ensure_future(self._exit_when_dead())
+            try:
+                await super().serve(sockets)
+            finally:
+                watch.cancel()
         except SchedulerDied as exc:
             self.failed = _summary(exc)
         finally:  # inside the event loop, where zmq.asyncio sockets must be closed
             client.shutdown()
             client.close()
+
+    async def _exit_when_dead(self) -> None:
+        from minengine.server.api import _summary
+        from minengine.server.frontend import SchedulerDied
+
+        client = self.state.client
+        while client.dead is None:
+            await asyncio.sleep(0.1)
+        self.failed = _summary(SchedulerDied(client.dead))
+        logger.error("exiting: the scheduler is gone")
+        self.should_exit = True  # uvicorn: no new connections; open ones get up to 3 s to end
 
     @contextlib.contextmanager
     def capture_signals(self):

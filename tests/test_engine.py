@@ -273,6 +273,17 @@ def test_the_eos_listed_as_a_stop_token_is_no_stop_reason(llm):
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", eos)
 
 
+def test_the_models_other_end_tokens_are_stop_reasons(llm):
+    """As vLLM, which adds a model's end tokens other than the tokenizer's EOS (tiny's ``<|im_end|>``,
+    as Qwen's) to a request's stop_token_ids: one of them ends the output with its id as the
+    stop_reason; with ignore_eos it does not end it."""
+    (end,) = set(llm.engine.eos_token_ids) - {llm.tokenizer.eos_token_id}
+    out = gen(llm, "stop test", max_tokens=4, allowed_token_ids=[end])
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([end], "stop", end)
+    out = gen(llm, "stop test", max_tokens=4, allowed_token_ids=[end], ignore_eos=True)
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([end] * 4, "length", None)
+
+
 def test_include_stop_str_in_output_keeps_a_stop_token_text(llm):
     """As vLLM: with include_stop_str_in_output a stop token id's text stays in the output text
     (decoded at the end without stop strings, token by token with them)."""

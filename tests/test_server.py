@@ -33,15 +33,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*flags: str, tmpdir: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """A server process; ``tmpdir`` becomes its TMPDIR (where its folder of ZMQ sockets goes)."""
+def start_server(*flags: str, tmpdir: Path | None = None, log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """A server process; ``tmpdir`` becomes its TMPDIR (where its folder of ZMQ sockets goes);
+    its output goes to ``log`` where given."""
     port = free_port()
     cmd = [sys.executable, "-m", "minengine.serve", "--port", str(port), "--log-level", "warning", *flags]
     env = None if tmpdir is None else {**os.environ, "TMPDIR": str(tmpdir)}
     url = f"http://127.0.0.1:{port}"
     # its log goes to a file (the server keeps writing it once this one is closed): a pipe nobody
     # reads would stall the server once it filled
-    with tempfile.TemporaryFile(mode="w+") as log:
+    with tempfile.TemporaryFile(mode="w+") if log is None else open(log, "w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -611,6 +612,13 @@ def test_a_stop_token_is_not_in_the_text(client):
     body = {"stop_token_ids": [eos], "allowed_token_ids": [eos]}
     (choice,) = client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body).choices
     assert (choice.finish_reason, choice.stop_reason) == ("stop", None)
+    # the model's other end token (tiny's <|im_end|>): its id is the stop_reason, as in vLLM
+    from minengine.models import load_model_config
+
+    (end,) = set(load_model_config("tiny").eos_token_ids) - {eos}
+    body = {"allowed_token_ids": [end]}
+    (choice,) = client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body).choices
+    assert (choice.finish_reason, choice.stop_reason) == ("stop", end)
 
 
 def test_chat_without_max_tokens_fits_a_kv_pool_smaller_than_the_context():
@@ -789,6 +797,48 @@ def test_sigterm_aborts_in_flight_and_exits_cleanly(tmp_path):
     assert proc.returncode == 0
     assert wait_for(lambda: not any(alive(k) for k in kids), 5)
     assert ipc_dirs(tmp_path) == []
+
+
+def test_a_dead_scheduler_ends_its_requests_and_the_server(tmp_path):
+    """The scheduler process killed under a stream and a plain request: both end with an error
+    (the stream with an error event, then [DONE]; the plain one 500), and the server exits with
+    code 1 and the reason, removing its folder of sockets: as vLLM's and SGLang's servers exit when
+    their engine dies, so that a supervisor starts a new one."""
+    proc, url = start_server(tmpdir=tmp_path, log=tmp_path / "log")
+    try:
+        (kid,) = [k for k in children(proc.pid) if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+        lines: list[str] = []
+        flowing = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    flowing.set()
+                    lines.append(line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert flowing.wait(60)
+        plain = {}
+        body = {"prompt": "y", "max_tokens": 3000, "ignore_eos": True}
+        poster = threading.Thread(
+            target=lambda: plain.update(r=httpx.post(url + "/v1/completions", json=body, timeout=30))
+        )
+        poster.start()
+        time.sleep(0.5)
+        os.kill(kid, signal.SIGKILL)
+        reader.join(20)
+        poster.join(20)
+        assert not reader.is_alive() and not poster.is_alive()
+        data = [line[6:] for line in lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and "a scheduler process exited" in json.loads(data[-2])["error"]["message"]
+        assert plain["r"].status_code == 500 and "a scheduler process exited" in plain["r"].text
+        assert proc.wait(20) == 1
+        assert "error: a scheduler process exited" in (tmp_path / "log").read_text()
+        assert ipc_dirs(tmp_path) == []
+    finally:
+        stop_server(proc)
 
 
 # SIGTERM comes 1 s after the request; the server then waits up to 5 s for the requests it

@@ -308,7 +308,8 @@ async def generate(
             text += detok.finish()
             if detok.stopped and reason != "abort":  # a stop string that ended in an unfinished character
                 reason = "stop"
-            why = stop_reason(reason, detok, last_id, params, tokenizer.eos_token_id)
+            ends = client.ready.eos_token_ids if client.ready is not None else frozenset()
+            why = stop_reason(reason, detok, last_id, params, tokenizer.eos_token_id, ends)
             if reason == "abort":
                 metrics.aborted.inc()
             else:
