@@ -56,6 +56,9 @@ MAX_PREFIXES = 1 << 18  # remembered prefix blocks per server (least recently us
 # on the event loop, and flush other prompts' prefixes from the table, than its tail can gain
 MAX_KEY_BLOCKS = 1 << 12
 IMBALANCE = 8  # prefer the prefix match unless its server has this many more requests in flight
+# a match counts only past this fraction of the prompt's blocks (SGLang's router's cache_threshold):
+# requests that share a short opening (an instruction, a chat's first role) still spread by load
+CACHE_THRESHOLD = 0.5
 PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefill half's answer
 # a server that refused a connection, or is in the wrong role, gets no new requests for this long (unless all do)
 DOWN_SECONDS = 5.0
@@ -158,12 +161,13 @@ class Picker:
         return [b for b in live if b.healthy] or healthy or live or self.backends
 
     def pick(self, key: str, among: list[Backend] | None = None) -> Backend:
-        """By shared prefix, else the least busy; from ``candidates``, or ``among``."""
+        """By shared prefix (over ``CACHE_THRESHOLD`` of the key's blocks), else the least busy;
+        from ``candidates``, or ``among``."""
         chain = prefix_chain(key)
         now = time.monotonic()
         up = among or self.candidates(now)
         least = min(b.in_flight for b in up)
-        best, best_n = None, 0
+        best, best_n = None, int(CACHE_THRESHOLD * len(chain))
         for b in up:
             n = b.matched_blocks(chain)
             if n > best_n and b.in_flight <= least + IMBALANCE:
@@ -982,12 +986,24 @@ def parse_args(argv: list[str] | None = None):
     limits = parser.add_argument_group("timeouts and health checks (as SGLang's router's flags)")
     for flag, default, what in LIMIT_FLAGS:
         limits.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default {default})")
+    limits.add_argument(
+        "--shutdown-grace-period-secs",
+        type=int,
+        default=180,
+        metavar="N",
+        help="on SIGTERM or Ctrl-C: no new connections, and the requests in flight get this long to end before "
+        "they are cut (which aborts them on the servers); a second Ctrl-C cuts them at once (default 180)",
+    )
     add_access_flags(parser)
     args = parser.parse_args(argv)
     check_access_flags(parser, args)
     for flag, _, _ in LIMIT_FLAGS:
         if (value := getattr(args, flag[2:].replace("-", "_"))) < 1:
             parser.error(f"argument {flag}: {value}; allowed: an integer >= 1")
+    if args.shutdown_grace_period_secs < 0:
+        parser.error(
+            f"argument --shutdown-grace-period-secs: {args.shutdown_grace_period_secs}; allowed: an integer >= 0"
+        )
     prefills = []
     for spec in args.prefill:
         if len(spec) > 2:
@@ -1032,7 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     app = build_app(router)
     add_access_control(app, args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    grace = args.shutdown_grace_period_secs
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=grace)
     return 0
 
 

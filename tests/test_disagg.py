@@ -960,6 +960,27 @@ def test_config_and_start_up_errors(ckpt):
         first.close()
 
 
+def test_a_server_whose_bootstrap_port_is_taken_fails_to_start():
+    """The prefill driver binds its bootstrap port before the scheduler reports ready: a port in use
+    ends the start-up with exit code 1 and the reason (the server used to open its port, then
+    answer every request 500 with its scheduler gone)."""
+    import socket
+    import sys
+
+    from test_server import run_cli
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "minengine.serve", "--port", str(free_port()), "--disaggregation-mode", "prefill"]
+        r = run_cli([*cmd, "--disaggregation-bootstrap-port", str(port), "--log-level", "info"], timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert f"error: scheduler 0 failed to start: minengine.disagg.transfer.TransferError: cannot listen on " \
+        f"bootstrap port {port}" in r.stderr, r.stderr  # fmt: skip
+    assert "serving tiny" not in r.stderr
+
+
 def test_page_runs_and_descriptors():
     import numpy as np
     import torch

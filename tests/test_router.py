@@ -4,6 +4,7 @@ checked against a single server with the same checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import subprocess
@@ -87,6 +88,48 @@ def client(url: str) -> openai.OpenAI:
 
 def idle(*urls: str) -> bool:
     return all(metrics(u).get("minengine:kv_pages_in_use") == 0 for u in urls)
+
+
+@pytest.mark.parametrize(("grace", "ending"), [(0, None), (60, "length")])
+def test_sigterm_gives_streams_in_flight_the_grace_period_then_cuts_them(cluster, grace, ending):
+    """As SGLang's router's --shutdown-grace-period-secs: after SIGTERM the router waits that long
+    for the streams in flight (one of about 2 s ends with 60, and the router exits then, not at the
+    end of the period), then cuts them and exits (it used to wait for every stream, however long);
+    the servers see a cut as a disconnect and free the request's KV."""
+    import signal
+
+    proc, url = start_router(
+        "--prefill", cluster["prefill"], str(cluster["boot"]), "--decode", cluster["decode"],
+        "--shutdown-grace-period-secs", str(grace),
+    )  # fmt: skip
+    lines: list[str] = []
+    flowing = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": "a long answer", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with (
+            contextlib.suppress(httpx.HTTPError),
+            httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r,
+        ):
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    lines.append(line)
+                    flowing.set()
+
+    reader = threading.Thread(target=stream)
+    try:
+        reader.start()
+        assert flowing.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        proc.wait(30)  # (uvicorn raises the signal again once shut down: exit code -15)
+        assert time.monotonic() - signalled < 20
+        reader.join(10)
+        assert not reader.is_alive()
+        assert json.loads(lines[-1][6:])["choices"][0]["finish_reason"] == ending  # cut (None), or finished
+        assert wait_for(lambda: idle(cluster["prefill"], cluster["decode"]), 30)
+    finally:
+        stop_server(proc)
 
 
 def test_multi_turn_chat_through_the_router_equals_one_server(cluster):
@@ -405,6 +448,7 @@ def test_router_flags_fail_in_one_line():
         (["--prefill", "ftp://x", "--decode", "http://x:2"], "not an http(s) URL"),
         (["--prefill", "http://x:1", "--decode", "http://x:2", "--request-timeout-secs", "0"], "allowed: an integer"),
         (["--prefill", "http://x:1", "--decode", "http://x:2", "--health-failure-threshold", "-1"], "integer >= 1"),
+        (["--prefill", "http://x:1", "--decode", "http://x:2", "--shutdown-grace-period-secs", "-1"], "integer >= 0"),
     ]:
         out = subprocess.run([sys.executable, "-m", "minengine.router", *args], capture_output=True, text=True)
         assert out.returncode == 2 and needle in out.stderr and len(out.stderr.strip().splitlines()) <= 2, out.stderr
@@ -425,6 +469,36 @@ def test_prefix_aware_picking():
     first.in_flight += IMBALANCE + 1
     assert picker.pick(routing_key(later)) is other  # unless that server is far busier
     assert routing_key({"prompt": [1, 2]}) == "[1, 2]"
+
+
+def test_a_short_shared_opening_does_not_pin_the_requests_to_one_server():
+    """A match counts only over CACHE_THRESHOLD of a prompt's blocks (as SGLang's router's
+    cache_threshold): prompts that share an instruction of a block or two, then differ, spread by
+    load; one that shares most of its text with an earlier one follows it."""
+    import random
+
+    from minengine.router import BLOCK_CHARS, CACHE_THRESHOLD, Backend, Picker, prefix_chain
+
+    picker = Picker([Backend("http://a"), Backend("http://b")])
+    rng = random.Random(0)
+    prompts = ["Answer briefly: " + "".join(rng.choices("abcdefgh ", k=300)) for _ in range(8)]
+    picked = []
+    for prompt in prompts:
+        picked.append(picker.pick(prompt))
+        picked[-1].in_flight += 1
+    assert {b.url for b in picked} == {"http://a", "http://b"}
+    assert [b.url for b in picked].count("http://a") == 4
+    # past the threshold: the same server, busier or not (within IMBALANCE)
+    blocks = len(prefix_chain(prompts[0]))
+    shared = prompts[0][: (int(CACHE_THRESHOLD * blocks) + 1) * BLOCK_CHARS]
+    follower = shared + "".join(rng.choices("xyz", k=len(prompts[0]) - len(shared)))
+    assert len(prefix_chain(follower)) == blocks
+    assert picker.pick(follower) is picked[0]
+    # at it (half the blocks): by load
+    half = prompts[1][: int(CACHE_THRESHOLD * blocks) * BLOCK_CHARS]
+    other = half + "".join(rng.choices("xyz", k=len(prompts[1]) - len(half)))
+    picked[1].in_flight += 1
+    assert picker.pick(other) is not picked[1]
 
 
 def test_a_huge_prompt_does_not_flush_the_routing_table():

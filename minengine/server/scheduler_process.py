@@ -147,7 +147,8 @@ def run_scheduler(
     inbox.connect(requests_addr)
     outbox = ctx.socket(zmq.PUSH)
     outbox.connect(outputs_addr)
-    engine = None
+    engine = driver = None
+    started = False  # Ready sent
     try:
         gather = None
         if config.dp_size > 1:
@@ -163,6 +164,9 @@ def run_scheduler(
             torch.cuda.set_device(config.base_gpu_id + rank)
         _share_cores(config)
         engine = Engine(config, detokenize=False, gather=gather)
+        # before Ready: a disaggregation driver binds its bootstrap port and starts its transfer
+        # agent, and a failure there (a port in use) must end the start-up, not the serving
+        driver = make_driver(engine)
         if gather is not None:
             # every worker loaded (and captured its CUDA graphs) before the first pass's collective:
             # one slower by more than the pass timeout would otherwise time the others out
@@ -175,9 +179,10 @@ def run_scheduler(
             frozenset(engine.eos_token_ids),
         )
         outbox.send_pyobj(ready)
-        _loop(engine, inbox, outbox, parent_pid, rank, lockstep=gather if engine.delayer is not None else None)
+        started = True
+        _serve(engine, driver, inbox, outbox, parent_pid, rank, lockstep=gather if engine.delayer is not None else None)
     except Exception as exc:
-        if engine is None and _ours(exc):
+        if not started and _ours(exc):
             # a config the model cannot take (context_length over its max_position_embeddings): the
             # message names the value and the allowed range, and the front end reports it
             logger.debug("scheduler %d failed to start", rank, exc_info=True)
@@ -186,6 +191,8 @@ def run_scheduler(
             logger.exception("scheduler %d failed", rank)
             outbox.send_pyobj(Fatal(traceback.format_exc(limit=5), rank))
     finally:
+        if driver is not None:
+            driver.close()
         outbox.close(linger=1000)
         inbox.close(linger=0)
         ctx.term()
@@ -289,16 +296,6 @@ def make_driver(engine: Engine):
     from minengine.disagg.servers import DecodeDriver, PrefillDriver
 
     return (PrefillDriver if mode == "prefill" else DecodeDriver)(engine)
-
-
-def _loop(
-    engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, rank: int, lockstep: Lockstep | None
-) -> None:
-    driver = make_driver(engine)
-    try:
-        _serve(engine, driver, inbox, outbox, parent_pid, rank, lockstep)
-    finally:
-        driver.close()
 
 
 def _serve(
