@@ -155,9 +155,10 @@ def stop_reason(
     """What vLLM reports as ``stop_reason``: for finish_reason "stop", the stop string or stop
     token id that ended the output; None for the tokenizer's end-of-sequence token
     (``eos_token_id``: None also when ``stop_token_ids`` lists it, as vLLM checks it first, unless
-    ``ignore_eos``) and any other ending. The model's other end tokens (``end_token_ids``: its
-    config's and generation_config.json's ``eos_token_id``, e.g. Qwen's ``<|im_end|>``) count as
-    stop token ids, as vLLM adds them to a request's ``stop_token_ids``."""
+    ``ignore_eos``) and any other ending. The other end tokens the engine stops on
+    (``end_token_ids``: the model's config.json and generation_config.json ``eos_token_id``, e.g.
+    Qwen's ``<|im_end|>``) count as stop token ids, as vLLM adds generation_config.json's (less
+    the tokenizer's EOS) to a request's ``stop_token_ids``."""
     if finish_reason != "stop":
         return None
     if detok is not None and detok.stopped:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import uuid
 import weakref
@@ -46,7 +47,7 @@ class RequestOutput:
     """One prompt's outputs, ``SamplingParams.n`` of them, as in vLLM. ``text``, ``token_ids``,
     ``finish_reason`` and ``stop_reason`` are the first output's (the only one when ``n`` is 1)."""
 
-    request_id: int  # the prompt's index in the generate() call
+    request_id: str  # as vLLM's: a counter of this LLM's prompts, unique across its calls
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -84,6 +85,7 @@ class LLM:
         self.sampling_defaults = sampling_defaults(self.config.model, self.config.generation_config)
         self.engine: Engine | None = None
         self._workers: _Workers | None = None
+        self._request_counter = itertools.count()
         if self.config.dp_size == 1:
             self.engine = Engine(self.config)
             self.tokenizer = self.engine.tokenizer
@@ -138,7 +140,8 @@ class LLM:
             ids.append(p_ids)  # (a text is tokenized below, once its truncation is known)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = list(sampling_params) if isinstance(sampling_params, list) else [sampling_params] * len(ids)
+        one = isinstance(sampling_params, SamplingParams) or not isinstance(sampling_params, (list, tuple))
+        params = [sampling_params] * len(ids) if one else list(sampling_params)
         if len(params) != len(ids):
             raise ValueError(f"{len(params)} sampling_params for {len(ids)} prompts; give one, or one per prompt")
         r = self.engine if self._workers is None else self._workers.ready  # its context and KV capacity
@@ -169,13 +172,14 @@ class LLM:
             else:
                 results = iter(self._generate_here(seq_ids, seq_params, bar))
         outputs = []
-        for i, (text, p_ids, p) in enumerate(zip(texts, ids, params, strict=True)):
+        for text, p_ids, p in zip(texts, ids, params, strict=True):
             # (CompletionOutput fields..., cached tokens, prompt logprobs)
             seqs = [next(results) for _ in range(p.n)]
             completions = [CompletionOutput(j, *seq[:-2]) for j, seq in enumerate(seqs)]
             prompt_lps = prompt_offline(p_ids, seqs[0][-1], self.tokenizer)
+            rid = str(next(self._request_counter))
             outputs.append(
-                RequestOutput(i, text, p_ids, completions, num_cached_tokens=seqs[0][-2], prompt_logprobs=prompt_lps)
+                RequestOutput(rid, text, p_ids, completions, num_cached_tokens=seqs[0][-2], prompt_logprobs=prompt_lps)
             )
         return outputs
 

@@ -20,8 +20,10 @@ they pass ``--health-success-threshold`` in a row.
 Routing is prefix-aware: each server remembers the (hashed, 16-character) prefixes of the
 prompts it was sent (their first 64 Ki characters), and a request goes to the server that
 shares the longest prefix with it, so the turns of a conversation meet their own KV in the
-decode server's radix cache. With no shared prefix, or when that server is much busier than the
-others, the least busy one is used.
+decode server's radix cache. A prefix counts when it covers over 30% of the request's blocks (as
+SGLang's router's cache_threshold) or a whole earlier prompt of that server (a conversation's next
+turn). With no such prefix, or when that server is much busier than the others, the least busy
+one is used.
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ MAX_PREFIXES = 1 << 18  # remembered prefix blocks per server (least recently us
 # on the event loop, and flush other prompts' prefixes from the table, than its tail can gain
 MAX_KEY_BLOCKS = 1 << 12
 IMBALANCE = 8  # prefer the prefix match unless its server has this many more requests in flight
-# a match counts only past this fraction of the prompt's blocks (SGLang's router's cache_threshold):
-# requests that share a short opening (an instruction, a chat's first role) still spread by load
-CACHE_THRESHOLD = 0.5
+# a match counts only past this fraction of the prompt's blocks (SGLang's router's cache_threshold and
+# its default), or where it covers a whole earlier prompt of that server (a conversation's next turn,
+# whose answer and question may be longer than its history): requests that only share a short
+# opening (an instruction, a chat's first role) still spread by load
+CACHE_THRESHOLD = 0.3
 PREFILL_GRACE_SECONDS = 2.0  # how long a failed decode half waits for the prefill half's answer
 # a server that refused a connection, or is in the wrong role, gets no new requests for this long (unless all do)
 DOWN_SECONDS = 5.0
@@ -80,6 +84,7 @@ class Backend:
     bootstrap_port: int | None = None  # prefill servers only
     in_flight: int = 0
     prefixes: OrderedDict = field(default_factory=OrderedDict)
+    ends: OrderedDict = field(default_factory=OrderedDict)  # the last block of each prompt it was given
     down_until: float = 0.0  # monotonic time: it refused a connection (or its role), so it is passed over until then
     wrong_role: bool = False  # the reason for down_until is its role (a /health it passes does not clear it)
     role_checked: bool = False  # its /server_info matched its role here (until it next refuses a connection)
@@ -128,6 +133,11 @@ class Backend:
             self.prefixes.move_to_end(h)
         while len(self.prefixes) > MAX_PREFIXES:
             self.prefixes.popitem(last=False)
+        if chain:
+            self.ends[chain[-1]] = None
+            self.ends.move_to_end(chain[-1])
+            while len(self.ends) > MAX_PREFIXES:
+                self.ends.popitem(last=False)
 
 
 def prefix_chain(key: str) -> list[int]:
@@ -161,16 +171,16 @@ class Picker:
         return [b for b in live if b.healthy] or healthy or live or self.backends
 
     def pick(self, key: str, among: list[Backend] | None = None) -> Backend:
-        """By shared prefix (over ``CACHE_THRESHOLD`` of the key's blocks), else the least busy;
-        from ``candidates``, or ``among``."""
+        """By shared prefix (over ``CACHE_THRESHOLD`` of the key's blocks, or a whole earlier key of
+        that server's), else the least busy; from ``candidates``, or ``among``."""
         chain = prefix_chain(key)
         now = time.monotonic()
         up = among or self.candidates(now)
         least = min(b.in_flight for b in up)
-        best, best_n = None, int(CACHE_THRESHOLD * len(chain))
+        best, best_n, floor = None, 0, int(CACHE_THRESHOLD * len(chain))
         for b in up:
             n = b.matched_blocks(chain)
-            if n > best_n and b.in_flight <= least + IMBALANCE:
+            if n > best_n and (n > floor or chain[n - 1] in b.ends) and b.in_flight <= least + IMBALANCE:
                 best, best_n = b, n
         if best is None:  # no shared prefix: the least busy, round-robin among equals
             order = self.backends[self._next :] + self.backends[: self._next]
@@ -992,7 +1002,7 @@ def parse_args(argv: list[str] | None = None):
         default=180,
         metavar="N",
         help="on SIGTERM or Ctrl-C: no new connections, and the requests in flight get this long to end before "
-        "they are cut (which aborts them on the servers); a second Ctrl-C cuts them at once (default 180)",
+        "they are cut (which aborts them on the servers) (default 180)",
     )
     add_access_flags(parser)
     args = parser.parse_args(argv)

@@ -314,8 +314,10 @@ def column(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Softmax(logits / temperature) with top-k, top-p and min-p masks applied (not renormalised).
-    Which filters run is decided on the host values of ``params``."""
+    """Softmax(logits / temperature) with top-k, min-p and top-p masks applied, as vLLM applies
+    them: min-p (a ratio to the top token's probability, so it commutes with top-k) before top-p,
+    whose mass is a share of what top-k and min-p kept (the result is not renormalised). Which
+    filters run is decided on the host values of ``params``."""
     device, vocab = logits.device, logits.shape[-1]
     logits = logits / column([p.temperature for p in params], device)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -324,12 +326,14 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         kth = logits.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
-    if any(p.top_p < 1 for p in params):
-        sorted_p, order = probs.sort(-1, descending=True)
-        # keep the smallest set reaching top_p
-        drop = sorted_p.cumsum(-1) - sorted_p > column([p.top_p for p in params], device)
-        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+    top_p = column([p.top_p for p in params], device)
     if any(p.min_p > 0 for p in params):
         floor = column([p.min_p for p in params], device) * probs.max(-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
+        top_p = top_p * probs.sum(-1, keepdim=True)  # (rows without min-p: their sum, 1 up to rounding)
+    if any(p.top_p < 1 for p in params):
+        sorted_p, order = probs.sort(-1, descending=True)
+        # keep the smallest set reaching top_p
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
     return probs

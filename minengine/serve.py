@@ -134,7 +134,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state, workers):
         super().__init__(config)
         self.state, self.workers = state, workers
-        self.failed: str | None = None  # why start-up failed
+        self.failed: str | None = None  # why start-up failed, or why a scheduler died while serving
         self.stopped_early = False  # a signal came while the workers started
         self.listen_failed: OSError | None = None  # the port, bound before the load, taken meanwhile
 

@@ -237,6 +237,15 @@ def test_top_k_top_p_min_p_masks():
     assert (probs > 0).tolist() == [[True, True, False, False], [True, True, False, False], [True, True, False, False]]
     keep_all = filtered_probs(logits[:1], [SamplingParams(top_p=1.0, top_k=-1)])
     torch.testing.assert_close(keep_all, logits[:1].softmax(-1))
+    # both: as vLLM, min-p first (keeps 0.45 and 0.35), then top-p over what it kept, renormalised
+    # (0.5625 of it reaches 0.5: one token); top-p first would have kept two
+    logits = torch.tensor([[0.45, 0.35, 0.1, 0.1]]).log()
+    assert (filtered_probs(logits, [SamplingParams(min_p=0.25, top_p=0.5)]) > 0).tolist() == [
+        [True, False, False, False]
+    ]
+    assert (filtered_probs(logits, [SamplingParams(min_p=0.25, top_p=0.9)]) > 0).tolist() == [
+        [True, True, False, False]
+    ]
 
 
 def test_sampled_tokens_respect_top_k(llm):
@@ -299,10 +308,13 @@ def test_include_stop_str_in_output_keeps_a_stop_token_text(llm):
 
 def test_n_sequences_per_prompt(llm):
     """vLLM's ``n``: each prompt's RequestOutput has n CompletionOutputs; sequence j samples as a
-    request alone with seed + j would."""
+    request alone with seed + j would. request_id: as vLLM's, a string counting this LLM's prompts
+    (unique across its calls). A tuple of params is one per prompt, as a list."""
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=7, n=3, ignore_eos=True)
-    outs = llm.generate(["n prompt", [5, 6, 7]], [params, replace(params, n=2, seed=None)], use_tqdm=False)
-    assert [len(o.outputs) for o in outs] == [3, 2] and [o.request_id for o in outs] == [0, 1]
+    outs = llm.generate(["n prompt", [5, 6, 7]], (params, replace(params, n=2, seed=None)), use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 2] and all(isinstance(o.request_id, str) for o in outs)
+    first = int(outs[0].request_id)
+    assert int(outs[1].request_id) == first + 1 and int(gen(llm, "next call").request_id) == first + 2
     assert [c.index for c in outs[0].outputs] == [0, 1, 2] and outs[0].prompt == "n prompt"
     for j, c in enumerate(outs[0].outputs):
         alone = gen(llm, "n prompt", temperature=1.0, max_tokens=6, seed=7 + j, ignore_eos=True)

@@ -471,6 +471,25 @@ def test_prefix_aware_picking():
     assert routing_key({"prompt": [1, 2]}) == "[1, 2]"
 
 
+def test_a_conversations_next_turn_follows_it_whatever_its_answers_length():
+    """A turn whose prompt holds the whole previous one follows it to its server, though the answer
+    and the new question outweigh the history (under CACHE_THRESHOLD of the blocks matched)."""
+    from minengine.router import CACHE_THRESHOLD, Backend, Picker, prefix_chain, routing_key
+
+    picker = Picker([Backend("http://a"), Backend("http://b")])
+    messages = [{"role": "user", "content": "What does paged attention keep in its pages, and why?"}]
+    first = picker.pick(routing_key({"messages": messages}))
+    for turn in range(3):
+        first.in_flight += 1  # (busier than the other, within IMBALANCE)
+        messages += [{"role": "assistant", "content": f"answer {turn}: " + "x" * 400}]
+        messages += [{"role": "user", "content": f"question {turn + 1}: " + "y" * 60}]
+        key = routing_key({"messages": messages})
+        if turn == 0:
+            history = routing_key({"messages": messages[:1]})
+            assert len(prefix_chain(history)) <= CACHE_THRESHOLD * len(prefix_chain(key))
+        assert picker.pick(key) is first, turn
+
+
 def test_a_short_shared_opening_does_not_pin_the_requests_to_one_server():
     """A match counts only over CACHE_THRESHOLD of a prompt's blocks (as SGLang's router's
     cache_threshold): prompts that share an instruction of a block or two, then differ, spread by
@@ -494,7 +513,7 @@ def test_a_short_shared_opening_does_not_pin_the_requests_to_one_server():
     follower = shared + "".join(rng.choices("xyz", k=len(prompts[0]) - len(shared)))
     assert len(prefix_chain(follower)) == blocks
     assert picker.pick(follower) is picked[0]
-    # at it (half the blocks): by load
+    # at it: by load
     half = prompts[1][: int(CACHE_THRESHOLD * blocks) * BLOCK_CHARS]
     other = half + "".join(rng.choices("xyz", k=len(prompts[1]) - len(half)))
     picked[1].in_flight += 1

@@ -192,7 +192,10 @@ def run_scheduler(
             outbox.send_pyobj(Fatal(traceback.format_exc(limit=5), rank))
     finally:
         if driver is not None:
-            driver.close()
+            try:
+                driver.close()
+            except Exception:  # (a transfer agent's own error): the rest below must still run
+                logger.exception("scheduler %d: closing its disaggregation driver failed", rank)
         outbox.close(linger=1000)
         inbox.close(linger=0)
         ctx.term()
