@@ -30,7 +30,10 @@ from _common import report as make_report
 
 
 class QueueClient:
-    """What ``generate`` needs of the scheduler client: a queue per request."""
+    """What ``generate`` needs of the scheduler client: a queue per request, and its ``Ready``
+    (None here: no end tokens but the tokenizer's EOS)."""
+
+    ready = None
 
     def __init__(self):
         self.queues: dict[str, asyncio.Queue] = {}

@@ -21,7 +21,10 @@ IDS = TOK.encode("héllo wörld, streaming 東京 🚀 text", add_special_tokens
 
 
 class QueuedClient:
-    """``submit`` returns a queue already holding ``items``; aborts are recorded."""
+    """``submit`` returns a queue already holding ``items``; aborts are recorded. No ``Ready``: no
+    end tokens but the tokenizer's EOS."""
+
+    ready = None
 
     def __init__(self, items):
         self.items, self.aborted = items, []
