@@ -83,8 +83,8 @@ class Backend:
     url: str
     bootstrap_port: int | None = None  # prefill servers only
     in_flight: int = 0
+    # its prompts' block hashes, least recently used first; True for a prompt's last block (its whole key)
     prefixes: OrderedDict = field(default_factory=OrderedDict)
-    ends: OrderedDict = field(default_factory=OrderedDict)  # the last block of each prompt it was given
     down_until: float = 0.0  # monotonic time: it refused a connection (or its role), so it is passed over until then
     wrong_role: bool = False  # the reason for down_until is its role (a /health it passes does not clear it)
     role_checked: bool = False  # its /server_info matched its role here (until it next refuses a connection)
@@ -129,15 +129,12 @@ class Backend:
 
     def remember(self, chain: list[int]) -> None:
         for h in chain:
-            self.prefixes[h] = None
+            self.prefixes[h] = self.prefixes.get(h, False)
             self.prefixes.move_to_end(h)
+        if chain:
+            self.prefixes[chain[-1]] = True
         while len(self.prefixes) > MAX_PREFIXES:
             self.prefixes.popitem(last=False)
-        if chain:
-            self.ends[chain[-1]] = None
-            self.ends.move_to_end(chain[-1])
-            while len(self.ends) > MAX_PREFIXES:
-                self.ends.popitem(last=False)
 
 
 def prefix_chain(key: str) -> list[int]:
@@ -180,7 +177,7 @@ class Picker:
         best, best_n, floor = None, 0, int(CACHE_THRESHOLD * len(chain))
         for b in up:
             n = b.matched_blocks(chain)
-            if n > best_n and (n > floor or chain[n - 1] in b.ends) and b.in_flight <= least + IMBALANCE:
+            if n > best_n and (n > floor or b.prefixes[chain[n - 1]]) and b.in_flight <= least + IMBALANCE:
                 best, best_n = b, n
         if best is None:  # no shared prefix: the least busy, round-robin among equals
             order = self.backends[self._next :] + self.backends[: self._next]

@@ -326,14 +326,15 @@ def filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
         kth = logits.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
-    top_p = column([p.top_p for p in params], device)
+    kept = None  # the mass min-p kept (rows without min-p: 1 up to rounding)
     if any(p.min_p > 0 for p in params):
         floor = column([p.min_p for p in params], device) * probs.max(-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
-        top_p = top_p * probs.sum(-1, keepdim=True)  # (rows without min-p: their sum, 1 up to rounding)
+        kept = probs.sum(-1, keepdim=True)
     if any(p.top_p < 1 for p in params):
+        top_p = column([p.top_p for p in params], device)
         sorted_p, order = probs.sort(-1, descending=True)
-        # keep the smallest set reaching top_p
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        # keep the smallest set reaching top_p (of what min-p kept)
+        drop = sorted_p.cumsum(-1) - sorted_p > (top_p if kept is None else top_p * kept)
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
     return probs
