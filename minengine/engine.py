@@ -17,7 +17,7 @@ from minengine.detokenizer import IncrementalDetokenizer
 from minengine.memory import KVPool, PageTable
 from minengine.models import load_model, load_model_config, load_tokenizer
 from minengine.ops import flashinfer_ref
-from minengine.profiling import step_range
+from minengine.profiling import StepProfiler, step_range
 from minengine.request import Request
 from minengine.runner import Launched, ModelRunner
 from minengine.sampler import Sampler
@@ -147,10 +147,11 @@ def check_prompt(
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, detokenize: bool = True, gather: Callable | None = None):
+    def __init__(self, config: EngineConfig, detokenize: bool = True, gather: Callable | None = None, rank: int = 0):
         """``detokenize=False``: the caller makes the output text and applies stop strings (the
         server's front end does, so the scheduler process never decodes). ``gather``: the
-        prefill delayer's all_gather across data-parallel workers (None: one worker)."""
+        prefill delayer's all_gather across data-parallel workers (None: one worker); ``rank``:
+        this engine's data-parallel worker (its profiles' file names)."""
         self.config = config
         self.detokenize = detokenize
         self.device = resolve_device(config.device)
@@ -213,6 +214,7 @@ class Engine:
         # (request, tokens with KV) of the step read in the last pass: that KV is written now
         self.kv_ready: list[tuple[Request, int]] = []
         self._rids = itertools.count()
+        self.profiler = StepProfiler(self.device, rank)  # (start_profile)
         logger.info(
             "engine: %s on %s (%s), %d KV pages x %d tokens, context %d",
             config.model,
@@ -357,7 +359,9 @@ class Engine:
         if launched is not None and launched.unsampled is not None:
             self.runner.sample(launched)
         self._in_flight = launched
-        if not batch and not done:
+        if batch:
+            self.profiler.forward_pass()
+        elif not done:
             self._wait_for_grammars()
         return done
 
@@ -427,7 +431,13 @@ class Engine:
         return reason
 
     def shutdown(self) -> None:
-        """Drop the model, the KV pool (held by the runner) and the scheduler's state."""
+        """Drop the model, the KV pool (held by the runner) and the scheduler's state; a profile
+        still running is written first."""
+        if self.profiler.active:
+            try:
+                self.profiler.stop()
+            except OSError:  # (a full disk): the rest is freed all the same
+                logger.exception("writing the running profile failed")
         self.grammars.shutdown()
         del self.runner, self.model, self.scheduler
         if self.device.type == "cuda":

@@ -22,7 +22,9 @@ from minengine.detokenizer import stop_reason
 from minengine.engine import Engine, check_prompt, resolve_max_tokens, truncation
 from minengine.logprobs import Logprob, output_logprobs, prompt_offline
 from minengine.models import load_tokenizer, sampling_defaults
+from minengine.profiling import ProfileSpec, new_profile_name
 from minengine.sampling_params import SamplingParams
+from minengine.server.protocol import StartProfile, StopProfile
 
 
 @dataclass
@@ -117,8 +119,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in input order. Every request is checked before any runs."""
-        if self._closed:
-            raise RuntimeError("this LLM was shut down; create a new one")
+        self._open()
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and _is_id(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -257,6 +258,56 @@ class LLM:
             logprobs = output_logprobs(r.output_ids, r.output_logprobs, self.tokenizer)
             results.append((r.text, r.output_ids, r.finish_reason, why, *logprobs, r.cached_tokens, r.prompt_logprobs))
         return results
+
+    def start_profile(
+        self,
+        output_dir: str | None,
+        num_steps: int | None = None,
+        activities: list[str] | None = None,
+        record_shapes: bool = False,
+        with_stack: bool = False,
+    ) -> list[str]:
+        """Profile the engine (every data-parallel worker), as a server's ``/start_profile``: a
+        torch.profiler Chrome trace per worker in ``output_dir``, written at ``stop_profile`` or
+        after ``num_steps`` forward passes (the generate calls run them). ``activities``: from
+        ``profiling.ACTIVITIES`` (None: CPU, and GPU on CUDA). The traces' paths."""
+        self._open()
+        if activities is not None and not isinstance(activities, (list, tuple)):
+            raise ValueError(f"activities is {activities!r}; allowed: a list of names, such as ['CPU', 'GPU']")
+        where = None if output_dir is None else os.path.abspath(output_dir)
+        spec = ProfileSpec(
+            where,
+            new_profile_name(),
+            None if activities is None else tuple(activities),
+            num_steps,
+            record_shapes,
+            with_stack,
+        )
+        return self._profile(StartProfile(spec))
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile ``start_profile`` began and write its traces; their paths."""
+        self._open()
+        return self._profile(StopProfile())
+
+    def _profile(self, msg: StartProfile | StopProfile) -> list[str]:
+        if self.engine is not None:
+            path = (
+                self.engine.profiler.start(msg.spec) if isinstance(msg, StartProfile) else self.engine.profiler.stop()
+            )
+            return [path] if path else []
+        replies = self._workers.loop.run_until_complete(self._workers.workers.client.profile(msg))
+        bad = [r for r in replies if r.error is not None]
+        if bad:
+            if isinstance(msg, StartProfile) and len(bad) < len(replies):  # not left running where it started
+                self._workers.loop.run_until_complete(self._workers.workers.client.profile(StopProfile()))
+            worst = next((r for r in bad if not r.user_error), bad[0])
+            raise (ValueError if worst.user_error else RuntimeError)(f"scheduler {worst.rank}: {worst.error}")
+        return [r.path for r in replies if r.path]
+
+    def _open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM was shut down; create a new one")
 
     def shutdown(self) -> None:
         """Free the model(s) and the KV cache (GPU memory included). Safe to call twice."""

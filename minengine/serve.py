@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
@@ -79,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=REASONING_PARSERS,
         help="split the <think> reasoning from the answer: qwen3 (Qwen3, QwQ), deepseek_r1 (R1 and its distills)",
     )
+    parser.add_argument(
+        "--torch-profiler-dir",
+        default=None,
+        metavar="DIR",
+        help="where /start_profile writes its torch.profiler traces (default: none, profiling off)",
+    )
     add_access_flags(parser)
     engine = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
@@ -111,6 +118,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
             + ")"
         )
     check_access_flags(parser, args)
+    if args.torch_profiler_dir is not None:
+        args.torch_profiler_dir = os.path.abspath(args.torch_profiler_dir)  # (the workers' cwd may differ)
+        try:
+            os.makedirs(args.torch_profiler_dir, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"argument --torch-profiler-dir: cannot make the folder: {exc}")
+        if not os.access(args.torch_profiler_dir, os.W_OK | os.X_OK):
+            parser.error(f"argument --torch-profiler-dir: {args.torch_profiler_dir!r} is not a writable folder")
     if not args.response_role.strip():
         parser.error(f"argument --response-role: {args.response_role!r} is empty; allowed: a role name")
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
@@ -314,6 +329,7 @@ def run_server(args: argparse.Namespace, config: EngineConfig) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        torch_profiler_dir=args.torch_profiler_dir,
     )
 
     app = build_app(state)

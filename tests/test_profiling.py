@@ -1,13 +1,19 @@
 """The profiling scripts: the torch-profiler trace has the engine's named step ranges; the Nsight
-Compute summary reads ncu's text reports."""
+Compute summary reads ncu's text reports. Profiles of a running engine: ``LLM.start_profile`` and
+a server's ``/start_profile`` (as SGLang's)."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
+import torch
+from test_server import MODEL, wait_for
 
 
 def load(name: str):
@@ -83,3 +89,185 @@ def test_ncu_summary_gives_a_row_per_kernel(tmp_path):
     assert [summary.three_digits(x) for x in (1730.0, 11.74, 2.754, 0.0312)] == ["1730", "11.7", "2.75", "0.0312"]
     with pytest.raises(SystemExit, match="no kernel found"):
         summary.main([str(tmp_path / "empty.txt")])
+
+
+# --- profiles of a running engine (LLM.start_profile, a server's /start_profile) ------------------
+
+STEP_RANGES = {"schedule", "h2d", "forward", "sampling", "process_results"}
+
+
+def trace_names(path: str) -> list[str]:
+    with gzip.open(path, "rt") as f:
+        return [e.get("name") for e in json.load(f)["traceEvents"]]
+
+
+def test_llm_profile_of_num_steps_forward_passes(tmp_path):
+    from minengine import LLM, SamplingParams
+
+    llm = LLM(MODEL, max_running_requests=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [path] = llm.start_profile(str(tmp_path / "traces"), num_steps=3)
+    assert path == str(tmp_path / "traces" / Path(path).name) and path.endswith("-rank0.trace.json.gz")
+    assert not Path(path).exists()  # (written when it stops)
+    llm.generate(["profile me", "and me"], params, use_tqdm=False)  # 12 forward passes, 3 recorded
+    names = trace_names(path)
+    assert set(names) >= STEP_RANGES and names.count("forward") == 3
+    with pytest.raises(ValueError, match="no profile is running; start one first"):
+        llm.stop_profile()  # (it stopped itself)
+    [second] = llm.start_profile(str(tmp_path / "traces"), activities=["CPU"], record_shapes=True)
+    assert second != path
+    with pytest.raises(ValueError, match=r"a profile is running already \(its trace: .*\); stop it first"):
+        llm.start_profile(str(tmp_path / "traces"))
+    llm.generate(["once more"], params, use_tqdm=False)
+    assert llm.stop_profile() == [second] and trace_names(second).count("forward") == 12
+    assert llm.generate(["after"], params, use_tqdm=False)[0].outputs[0].token_ids  # (nothing left running)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_steps": 0}, "num_steps is 0; allowed: 1..1000000, or null (until stopped)"),
+        ({"num_steps": 1_000_001}, "num_steps is 1000001; allowed: 1..1000000"),
+        ({"activities": []}, "activities is []; allowed: a non-empty list of distinct names from ['CPU', 'GPU', "),
+        ({"activities": ["CPU", "CPU"]}, "activities is ['CPU', 'CPU']; allowed: a non-empty list of distinct"),
+        ({"activities": ["TPU"]}, "activities is ['TPU']; allowed: a non-empty list of distinct names"),
+        ({"activities": "CPU"}, "activities is 'CPU'; allowed: a list of names, such as ['CPU', 'GPU']"),
+        ({"activities": ["GPU"]}, "activities is ['GPU'], but this engine runs on cpu; allowed here: ['CPU']"),
+        ({"activities": ["CUDA_PROFILER"]}, "activities is ['CUDA_PROFILER'], but this engine runs on cpu"),
+        ({"output_dir": None}, "activities by default (CPU, and GPU on CUDA) write a trace file: an output directory"),
+    ],
+)
+def test_bad_profiles_name_the_value(tmp_path, kwargs, message):
+    from minengine import LLM
+
+    llm = LLM(MODEL)
+    with pytest.raises(ValueError) as err:
+        llm.start_profile(**{"output_dir": str(tmp_path), **kwargs})
+    assert message in str(err.value)
+    assert not llm.engine.profiler.active and not list(tmp_path.iterdir())
+
+
+def test_a_profile_that_cannot_be_written_does_not_stop_the_engine(tmp_path, monkeypatch, caplog):
+    from minengine import LLM, SamplingParams
+
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device")
+
+    llm = LLM(MODEL)
+    llm.start_profile(str(tmp_path), num_steps=2)
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", full_disk)
+    [out] = llm.generate(["still answered"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5 and not llm.engine.profiler.active
+    assert "writing the profile of 2 forward passes failed" in caplog.text
+    llm.start_profile(str(tmp_path))  # (an engine shut down while profiling writes the trace first)
+    llm.shutdown()
+    assert "writing the running profile failed" in caplog.text
+
+
+def test_profiles_of_data_parallel_workers(tmp_path):
+    from minengine import LLM, SamplingParams
+
+    with LLM(MODEL, dp_size=2) as llm:
+        paths = llm.start_profile(str(tmp_path))
+        assert [p[-len("-rank0.trace.json.gz") :] for p in paths] == ["-rank0.trace.json.gz", "-rank1.trace.json.gz"]
+        assert paths[0][: -len("0.trace.json.gz")] == paths[1][: -len("1.trace.json.gz")]  # one name, each rank's
+        with pytest.raises(ValueError, match=r"scheduler 0: a profile is running already"):
+            llm.start_profile(str(tmp_path))
+        llm.generate(["one", "two", "three", "four"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert llm.stop_profile() == paths
+        for path in paths:  # round-robin: two requests each, 4 tokens, at least 4 forward passes
+            assert trace_names(path).count("forward") >= 4
+        with pytest.raises(ValueError, match="activities is \\['GPU'\\], but this engine runs on cpu"):
+            llm.start_profile(str(tmp_path), activities=["GPU"])
+
+
+def test_server_profiles(tmp_path):
+    from test_server import start_server, stop_server
+
+    traces = tmp_path / "traces"
+    proc, url = start_server("--torch-profiler-dir", str(traces), "--dp-size", "2")
+    try:
+        http = httpx.Client(base_url=url, timeout=60)
+        r = http.post("/stop_profile")
+        assert r.status_code == 400 and "scheduler 0: no profile is running" in r.json()["error"]["message"]
+        r = http.post("/start_profile")  # (no body: SGLang's curl call)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["status"] == "started" and body["num_steps"] is None and len(body["traces"]) == 2
+        assert all(p.startswith(str(traces) + "/profile-") for p in body["traces"])
+        r = http.post("/start_profile", json={"num_steps": 5})
+        assert r.status_code == 400 and "a profile is running already" in r.json()["error"]["message"]
+        for _ in range(2):  # one request a worker
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        r = http.get("/stop_profile")  # (GET or POST, as SGLang's)
+        assert r.status_code == 200 and r.json() == {"status": "stopped", "traces": body["traces"]}
+        for path in body["traces"]:
+            assert trace_names(path).count("forward") >= 4
+        # num_steps: the worker stops and writes it itself
+        r = http.post("/start_profile", json={"num_steps": 2, "activities": ["CPU"], "with_stack": True})
+        assert r.status_code == 200 and r.json()["num_steps"] == 2
+        for _ in range(2):
+            http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+        for path in r.json()["traces"]:
+            assert wait_for(lambda p=path: Path(p).exists()) and trace_names(path).count("forward") == 2
+        assert http.post("/stop_profile").status_code == 400
+        for body, message, param in [
+            ({"output_dir": "/tmp"}, "output_dir is not a field minengine's /start_profile takes (the server's", None),
+            ({"start_step": 3}, "start_step is not a field minengine's /start_profile takes", "start_step"),
+            ({"num_steps": 0}, "num_steps is 0; allowed: 1..1000000, or null (until stopped)", "num_steps"),
+            ({"num_steps": "5"}, "num_steps", "num_steps"),
+            ({"activities": ["MEM"]}, "activities is ['MEM']; allowed: a non-empty list of distinct names", None),
+            ({"activities": ["GPU"]}, "scheduler 0: activities is ['GPU'], but this engine runs on cpu", None),
+        ]:
+            r = http.post("/start_profile", json=body)
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+            if param is not None:
+                assert r.json()["error"]["param"] == param
+        assert http.post("/stop_profile").status_code == 400  # (none left running by a failed start)
+    finally:
+        stop_server(proc)
+
+
+def test_profiling_is_off_without_a_folder_and_guarded_by_the_api_key(tmp_path):
+    from test_server import _app_with_access
+
+    http = _app_with_access([])
+    for path in ("/start_profile", "/stop_profile"):
+        r = http.post(path)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (
+            "profiling is off; start the server with --torch-profiler-dir DIR to take profiles"
+        )
+    http = _app_with_access(["--api-key", "sesame", "--torch-profiler-dir", str(tmp_path / "t")])
+    assert (tmp_path / "t").is_dir()  # (made at start: a folder that cannot be made fails the start)
+    for path in ("/start_profile", "/stop_profile"):
+        assert http.post(path).status_code == 401 and http.get(path).status_code == 401
+
+
+def test_a_profile_folder_that_cannot_be_made_fails_the_start(tmp_path):
+    from test_server import run_cli
+
+    (tmp_path / "file").write_text("")
+    r = run_cli([sys.executable, "-m", "minengine.serve", "--torch-profiler-dir", str(tmp_path / "file" / "t")], 60)
+    assert r.returncode == 2
+    [line] = r.stderr.strip().splitlines()
+    assert "error: argument --torch-profiler-dir: cannot make the folder:" in line
+
+
+@pytest.mark.gpu
+def test_a_gpu_profile_records_the_kernels_under_cuda_graphs(tmp_path):
+    """On CUDA: the default activities (CPU and GPU) with the CUDA profiler range (nsys's
+    cudaProfilerApi capture range) around decode steps that replay CUDA graphs."""
+    from minengine import LLM, SamplingParams
+
+    llm = LLM(MODEL, device="cuda")
+    assert llm.engine.use_cuda_graphs
+    llm.generate(["warm up"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    [path] = llm.start_profile(str(tmp_path), num_steps=6, activities=["CPU", "GPU", "CUDA_PROFILER"])
+    llm.generate(["profile me"] * 3, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert [e.get("name") for e in events].count("forward") == 6
+    assert any(e.get("cat") == "kernel" for e in events)  # (device work: CUPTI recorded it)
+    assert not llm.engine.profiler.active

@@ -9,6 +9,8 @@ import json
 import os
 
 API_KEY_ENV = "MINENGINE_API_KEY"  # (a key on the command line shows in ps)
+# beside the /v1 routes, what the key guards: a server's profiles (they write files, cost time)
+GUARDED_PATHS = ("/start_profile", "/stop_profile")
 _CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
 
@@ -17,7 +19,8 @@ def add_access_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
-        help=f"requests to /v1 must send 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}, else none)",
+        help=f"requests to /v1 (and /start_profile, /stop_profile) must send 'Authorization: Bearer <key>' "
+        f"(default: ${API_KEY_ENV}, else none)",
     )
     for name in _CORS_LISTS:
         group.add_argument("--" + name.replace("_", "-"), default='["*"]', metavar="JSON", help="CORS: a JSON list")
@@ -56,7 +59,8 @@ def add_access_control(app, args: argparse.Namespace) -> None:
 
 class _APIKey:
     """ASGI middleware: a /v1 request without ``Authorization: Bearer <key>`` gets a 401, as in
-    vLLM (other routes, such as /health and /metrics, and CORS preflights stay open)."""
+    vLLM, and so does a profile's start or stop (other routes, such as /health and /metrics, and
+    CORS preflights stay open)."""
 
     def __init__(self, app, api_key: str) -> None:
         from minengine.server.api import error_response
@@ -64,7 +68,9 @@ class _APIKey:
         self.app, self.expected, self.error_response = app, f"Bearer {api_key}".encode(), error_response
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+        path = scope.get("path", "")
+        guarded = path.startswith("/v1") or path in GUARDED_PATHS
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and guarded:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
                 why = "a valid API key is needed: send the header 'Authorization: Bearer <key>'"

@@ -27,10 +27,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minengine import __version__
 from minengine import logprobs as logprob_format
 from minengine.engine import check_prompt, resolve_max_tokens, truncation
+from minengine.profiling import ProfileSpec, new_profile_name
 from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
 from minengine.server.metrics import Metrics
-from minengine.server.protocol import DECODE_ABORTED, Bootstrap
+from minengine.server.protocol import DECODE_ABORTED, Bootstrap, ProfileReply, StartProfile, StopProfile
 from minengine.server.reasoning import (
     ReasoningStream,
     grammar_after_reasoning,
@@ -242,6 +243,16 @@ class DetokenizeRequest(_NullIsDefault):
     tokens: list[int]
 
 
+class ProfileRequest(_NullIsDefault):
+    """SGLang's /start_profile fields that minengine takes (the traces' folder is the server's)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    num_steps: int | None = None  # forward passes, then the trace is written (null: until /stop_profile)
+    activities: list[str] | None = None  # profiling.ACTIVITIES (null: CPU, and GPU on CUDA)
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
 # --- state ------------------------------------------------------------------------------------
 
 
@@ -261,6 +272,7 @@ class ServerState:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a name in tool_calls.PARSERS
     reasoning_parser: str | None = None  # a name in reasoning.PARSERS
+    torch_profiler_dir: str | None = None  # where /start_profile's traces go (None: profiling off)
     shutting_down: bool = False
     inflight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -452,6 +464,15 @@ def _check_unsupported(req: _Sampling) -> None:
             continue
         allowed = " or ".join(dict.fromkeys(json.dumps(v) for v in off)) or "null"
         raise APIError(400, f"{name} is {_shown(value)}; minengine does not support it (allowed: {allowed})", name)
+
+
+def _profile_failed(replies: list[ProfileReply]) -> None:
+    """The APIError for the workers' answers that are errors: 400 when the request cannot be
+    taken (each worker says the same), 500 for a failure, with the worker's rank under dp."""
+    bad = [r for r in replies if r.error is not None]
+    worst = next((r for r in bad if not r.user_error), bad[0])
+    who = f"scheduler {worst.rank}: " if len(replies) > 1 else ""
+    raise APIError(400 if worst.user_error else 500, who + worst.error)
 
 
 def _shown(value: Any) -> str:
@@ -910,6 +931,46 @@ def build_app(state: ServerState) -> FastAPI:
         if bad is not None:
             raise APIError(400, f"tokens.{bad} is {req.tokens[bad]}; allowed: token ids 0..{vocab - 1}", "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    @app.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(raw: Request) -> dict[str, Any]:
+        """SGLang's: profile the running engines (every data-parallel worker) until /stop_profile
+        or for ``num_steps`` forward passes; a Chrome trace per worker in --torch-profiler-dir."""
+        body = await raw.body()
+        req = ProfileRequest() if not body.strip() else await off_loop(state, len(body), _parse, body, ProfileRequest)
+        if state.torch_profiler_dir is None:
+            raise APIError(400, "profiling is off; start the server with --torch-profiler-dir DIR to take profiles")
+        for name in req.model_extra or {}:
+            where = " (the server's --torch-profiler-dir)" if name == "output_dir" else ""
+            raise APIError(400, f"{name} is not a field minengine's /start_profile takes{where}", name)
+        try:
+            activities = None if req.activities is None else tuple(req.activities)
+            spec = ProfileSpec(
+                state.torch_profiler_dir,
+                new_profile_name(),
+                activities,
+                req.num_steps,
+                req.record_shapes,
+                req.with_stack,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
+        replies = await state.client.profile(StartProfile(spec))
+        if any(r.error is not None for r in replies):
+            if any(r.error is None for r in replies):  # started on some workers: not left running there
+                await state.client.profile(StopProfile())
+            _profile_failed(replies)
+        return {"status": "started", "num_steps": req.num_steps, "traces": [r.path for r in replies if r.path]}
+
+    @app.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> dict[str, Any]:
+        """SGLang's: stop the profile /start_profile began and write its traces (their paths)."""
+        if state.torch_profiler_dir is None:
+            raise APIError(400, "profiling is off; start the server with --torch-profiler-dir DIR to take profiles")
+        replies = await state.client.profile(StopProfile())
+        if any(r.error is not None for r in replies):
+            _profile_failed(replies)
+        return {"status": "stopped", "traces": [r.path for r in replies if r.path]}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -27,9 +27,12 @@ from minengine.server.protocol import (
     Bootstrap,
     FailRoom,
     Fatal,
+    ProfileReply,
     Ready,
     Shutdown,
+    StartProfile,
     StepOutput,
+    StopProfile,
     TokenUpdate,
 )
 from minengine.tokenizer import Tokenizer
@@ -37,6 +40,9 @@ from minengine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 # the longest wait for the ZMQ context to end (its sockets closed, their linger over: 0.5 s)
 TERM_SECONDS = 5.0
+# the longest wait for the workers' answers to a profile's start or stop (a long profile's trace
+# takes a while to write)
+PROFILE_REPLY_SECONDS = 600.0
 
 
 class SchedulerDied(RuntimeError):
@@ -76,6 +82,8 @@ class SchedulerClient:
         self._next = 0
         self._dispatcher: asyncio.Task | None = None
         self._shutdown_sent = False
+        self._profile_lock = asyncio.Lock()  # one profile call at a time
+        self._profile_replies: asyncio.Queue | None = None  # the call's: ProfileReply, or a Fatal
 
     async def start(self, is_alive, timeout: float = 600.0) -> Ready:
         """Wait for every worker's Ready (models loaded), then start routing updates."""
@@ -139,12 +147,39 @@ class SchedulerClient:
         self.load[worker] -= 1
         return worker
 
+    async def profile(self, msg: StartProfile | StopProfile) -> list[ProfileReply]:
+        """Send a profile's start or stop to every worker; their answers, by rank."""
+        async with self._profile_lock:
+            if self.dead or self._shutdown_sent:
+                raise SchedulerDied(self.dead or "the server is shutting down")
+            self._profile_replies = replies = asyncio.Queue()
+            try:
+                for sock in self.outboxes:
+                    sock.send(pickle.dumps(msg))
+                got: dict[int, ProfileReply] = {}
+                while len(got) < len(self.outboxes):
+                    try:
+                        item = await asyncio.wait_for(replies.get(), PROFILE_REPLY_SECONDS)
+                    except TimeoutError:
+                        raise SchedulerDied(
+                            f"{len(self.outboxes) - len(got)} scheduler(s) did not answer {type(msg).__name__} "
+                            f"within {PROFILE_REPLY_SECONDS:.0f} s"
+                        ) from None
+                    if isinstance(item, Fatal):
+                        raise SchedulerDied(item.message)
+                    got[item.rank] = item
+            finally:
+                self._profile_replies = None
+            return [got[rank] for rank in sorted(got)]
+
     def shutdown(self) -> None:
         """Ask every worker to abort everything and exit; the aborts come back as updates."""
         if not self.dead and not self._shutdown_sent:
             self._shutdown_sent = True
             for sock in self.outboxes:
                 sock.send(pickle.dumps(Shutdown()))
+            if self._profile_replies is not None:  # (the workers write a running profile as they exit)
+                self._profile_replies.put_nowait(Fatal("the server is shutting down"))
 
     async def _dispatch(self, is_alive) -> None:
         checked = time.monotonic()
@@ -153,6 +188,9 @@ class SchedulerClient:
                 msg = pickle.loads(await self.inbox.recv())
                 if isinstance(msg, StepOutput):
                     self._take(msg)
+                elif isinstance(msg, ProfileReply):
+                    if self._profile_replies is not None:  # (a call that timed out: dropped)
+                        self._profile_replies.put_nowait(msg)
                 elif isinstance(msg, Fatal):
                     self._fail(f"scheduler {msg.rank} failed:\n{msg.message}")
                     return
@@ -182,6 +220,8 @@ class SchedulerClient:
         for queue in self.queues.values():
             queue.put_nowait(Fatal(why))
         self.queues.clear()
+        if self._profile_replies is not None:
+            self._profile_replies.put_nowait(Fatal(why))
 
     def close(self) -> None:
         if self._dispatcher is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from minengine.profiling import ProfileSpec
 from minengine.sampling_params import SamplingParams
 from minengine.scheduler.prefill_delayer import Outcome
 
@@ -44,6 +45,28 @@ class FailRoom:
 @dataclass(frozen=True)
 class AbortRequest:
     rid: str
+
+
+@dataclass(frozen=True)
+class StartProfile:
+    spec: ProfileSpec
+
+
+@dataclass(frozen=True)
+class StopProfile:
+    pass
+
+
+@dataclass(frozen=True)
+class ProfileReply:
+    """A worker's answer to StartProfile / StopProfile: the trace file it writes or wrote (None:
+    none), or why not (``error``; ``user_error``: a request that cannot be taken, else a failure
+    such as a folder that cannot be written)."""
+
+    rank: int
+    path: str | None = None
+    error: str | None = None
+    user_error: bool = True
 
 
 @dataclass(frozen=True)

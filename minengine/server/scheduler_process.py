@@ -1,8 +1,8 @@
 """A scheduler worker process: owns an engine, runs steps, never touches HTTP or text.
 
-It pulls ``AddRequest`` / ``AbortRequest`` / ``Shutdown`` from the front end, drains them before
-every step (so an abort lands before the next forward), runs one engine step and pushes the new
-tokens and the gauges back. It exits when the front end's process dies.
+It pulls ``AddRequest`` / ``AbortRequest`` / ``Shutdown`` (and a profile's start and stop) from
+the front end, drains them before every step (so an abort lands before the next forward), runs one
+engine step and pushes the new tokens and the gauges back. It exits when the front end's process dies.
 
 With ``dp_size > 1`` the workers form a ``torch.distributed`` group (gloo, CPU), used by the
 prefill delayer's all_gather; with the delayer on, every worker runs a pass every loop turn,
@@ -34,9 +34,12 @@ from minengine.server.protocol import (
     AddRequest,
     FailRoom,
     Fatal,
+    ProfileReply,
     Ready,
     Shutdown,
+    StartProfile,
     StepOutput,
+    StopProfile,
     TokenUpdate,
     new_record,
 )
@@ -163,7 +166,7 @@ def run_scheduler(
         if config.device != "cpu" and torch.cuda.is_available():
             torch.cuda.set_device(config.base_gpu_id + rank)
         _share_cores(config)
-        engine = Engine(config, detokenize=False, gather=gather)
+        engine = Engine(config, detokenize=False, gather=gather, rank=rank)
         # before Ready: a disaggregation driver binds its bootstrap port and starts its transfer
         # agent, and a failure there (a port in use) must end the start-up, not the serving
         driver = make_driver(engine)
@@ -191,6 +194,8 @@ def run_scheduler(
             logger.exception("scheduler %d failed", rank)
             outbox.send_pyobj(Fatal(traceback.format_exc(limit=5), rank))
     finally:
+        if engine is not None and engine.profiler.active:  # (shutdown, or a failure) its trace is written
+            profile_reply(engine, StopProfile(), rank)
         if driver is not None:
             try:
                 driver.close()
@@ -292,6 +297,19 @@ def _until_shutdown(inbox: zmq.Socket, driver, seconds: float = LATE_SECONDS) ->
     return updates
 
 
+def profile_reply(engine: Engine, msg: StartProfile | StopProfile, rank: int) -> ProfileReply:
+    """Start or stop the engine's profile; the answer for the front end. A profile that fails
+    (torch.profiler's error, a folder that cannot be written) is reported, never the worker's end."""
+    try:
+        path = engine.profiler.start(msg.spec) if isinstance(msg, StartProfile) else engine.profiler.stop()
+    except ValueError as exc:
+        return ProfileReply(rank, error=str(exc))
+    except Exception as exc:
+        logger.exception("scheduler %d: %s failed", rank, type(msg).__name__)
+        return ProfileReply(rank, error=f"{type(exc).__name__}: {exc}", user_error=False)
+    return ProfileReply(rank, path)
+
+
 def make_driver(engine: Engine):
     mode = engine.config.disaggregation_mode
     if mode == "null":
@@ -334,6 +352,8 @@ def _serve(
                 updates += driver.abort(msg.rid)
             elif isinstance(msg, FailRoom):
                 driver.fail_room(msg)
+            elif isinstance(msg, (StartProfile, StopProfile)):
+                outbox.send_pyobj(profile_reply(engine, msg, rank))
             elif isinstance(msg, Shutdown):
                 updates += driver.abort_all()
                 shutdown = True
