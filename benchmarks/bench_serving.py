@@ -13,7 +13,9 @@ default; Poisson, or with --burstiness B gamma-distributed gaps of shape B as in
 throughput, input/output token throughput, and mean / median / p99 of TTFT, TPOT, ITL and E2E
 latency; saves JSON + markdown; --plot adds latency CDFs and throughput over time (PNG). Where
 the server has a Prometheus ``/metrics`` (minengine, vLLM), the report adds what its preemption
-and prefix-cache counters gained during the run (``server_counters``).
+and prefix-cache counters gained during the run (``server_counters``). --profile (as SGLang's)
+has the server profile the measured requests (/start_profile before them, /stop_profile after: a
+minengine server started with --torch-profiler-dir, or SGLang's); the report lists the traces.
 
     python -m minengine.serve &                                       # or any other server
     python benchmarks/bench_serving.py --dataset random --num-prompts 200 --tokenizer tiny
@@ -202,8 +204,23 @@ async def counters(http: httpx.AsyncClient, base_url: str) -> dict[str, float]:
     return out
 
 
+async def profile(http: httpx.AsyncClient, base_url: str, what: str, body: dict | None = None) -> dict:
+    """/start_profile or /stop_profile; the server's answer, or SystemExit with its error."""
+    try:
+        resp = await http.post(f"{base_url}/{what}_profile", json=body or {}, timeout=900)
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"bench_serving: error: --profile: /{what}_profile failed: {exc!r}") from None
+    if resp.status_code != 200:
+        raise SystemExit(f"bench_serving: error: --profile: /{what}_profile answered {resp.status_code}: {resp.text}")
+    try:
+        return resp.json()
+    except ValueError:  # (SGLang answers plain text)
+        return {"answer": resp.text}
+
+
 async def run(args, dataset: list[Request], prompts: Prompts, arrivals: random.Random):
-    """(results, seconds, what the server's counters gained during the measured requests).
+    """(results, seconds, what the server's counters gained during the measured requests, the
+    server's answer to --profile's /stop_profile or None).
     ``arrivals`` draws only the gaps between requests (multi-turn follow-ups draw from the prompts'
     generator in completion order), so a seed gives the same arrival times in every run."""
     limits = httpx.Limits(max_connections=args.max_concurrency or 10_000, max_keepalive_connections=None)
@@ -219,6 +236,8 @@ async def run(args, dataset: list[Request], prompts: Prompts, arrivals: random.R
         for warm in dataset[: args.warmup_requests]:
             await send(http, args, Request(warm.prompt, min(warm.output_len, 16)))
         before = await counters(http, args.base_url)
+        if args.profile:
+            await profile(http, args.base_url, "start")
         gate = asyncio.Semaphore(args.max_concurrency or 10_000)
         total = len(dataset) * (args.multi_turn_num_turns if args.dataset == "multi-turn" else 1)
         bar = tqdm(total=total, desc="requests", disable=args.no_progress)
@@ -244,8 +263,9 @@ async def run(args, dataset: list[Request], prompts: Prompts, arrivals: random.R
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         bar.close()
+        profiled = await profile(http, args.base_url, "stop") if args.profile else None
         after = await counters(http, args.base_url)
-        return results, duration, {k: v - before[k] for k, v in after.items() if k in before}
+        return results, duration, {k: v - before[k] for k, v in after.items() if k in before}, profiled
 
 
 def summarize(results: list[Result], duration: float) -> dict:
@@ -338,6 +358,9 @@ def markdown(report: dict) -> str:
     if report.get("server_counters"):
         gained = ", ".join(f"`{k}` +{v:g}" for k, v in report["server_counters"].items())
         lines += ["", f"- server counters during the run: {gained}"]
+    if "profile" in report:
+        traces = report["profile"].get("traces") or [report["profile"].get("answer", "")]
+        lines += ["", "- profiled (the latencies above include the profiler's cost): " + ", ".join(map(str, traces))]
     return "\n".join(lines) + "\n"
 
 
@@ -369,6 +392,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", action="store_true")
+    p.add_argument("--profile", action="store_true", help="the server profiles the measured requests")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--tag", default="", help="suffix of the result file names")
@@ -394,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
     prompts = Prompts(args.tokenizer, rng)
     dataset = build_dataset(args, prompts, rng)
-    results, duration, gained = asyncio.run(run(args, dataset, prompts, random.Random(args.seed + 1)))
+    results, duration, gained, profiled = asyncio.run(run(args, dataset, prompts, random.Random(args.seed + 1)))
     summary = summarize(results, duration)
     stem = f"serving_{args.dataset}" + (f"_{args.tag}" if args.tag else "")
     report = {
@@ -406,6 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
         "summary": summary,
         "server_counters": gained,
     }
+    if profiled is not None:  # (the latencies were measured under the profiler)
+        report["profile"] = profiled
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot:
         report["plots"] = plot(results, args.out, stem)

@@ -225,6 +225,21 @@ def test_server_profiles(tmp_path):
             if param is not None:
                 assert r.json()["error"]["param"] == param
         assert http.post("/stop_profile").status_code == 400  # (none left running by a failed start)
+        # bench_serving --profile: the measured requests, profiled
+        from test_bench_smoke import load_bench
+
+        bench = load_bench("bench_serving")
+        argv = ["--base-url", url, "--num-prompts", "4", "--random-input-len", "20", "--random-output-len", "5"]
+        argv += ["--random-range-ratio", "1"]  # (5 tokens each: at least 5 forward passes a worker)
+        argv += ["--tokenizer", "tiny", "--out", str(tmp_path), "--no-progress", "--profile"]
+        report = bench.main(argv)
+        assert report["summary"]["completed"] == 4 and len(report["profile"]["traces"]) == 2
+        assert all(trace_names(p).count("forward") >= 5 for p in report["profile"]["traces"])
+        assert "- profiled (the latencies above include the profiler's cost): " in bench.markdown(report)
+        assert http.post("/start_profile").status_code == 200
+        with pytest.raises(SystemExit, match="--profile: /start_profile answered 400: .*a profile is running already"):
+            bench.main(argv)
+        assert http.post("/stop_profile").status_code == 200
     finally:
         stop_server(proc)
 
