@@ -432,12 +432,8 @@ class Engine:
 
     def shutdown(self) -> None:
         """Drop the model, the KV pool (held by the runner) and the scheduler's state; a profile
-        still running is written first."""
-        if self.profiler.active:
-            try:
-                self.profiler.stop()
-            except OSError:  # (a full disk): the rest is freed all the same
-                logger.exception("writing the running profile failed")
+        still running is written first, and the traces being written are waited for."""
+        self.profiler.close()  # (its failures are logged: the rest is freed all the same)
         self.grammars.shutdown()
         del self.runner, self.model, self.scheduler
         if self.device.type == "cuda":

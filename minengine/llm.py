@@ -261,46 +261,44 @@ class LLM:
 
     def start_profile(
         self,
-        output_dir: str | None,
+        output_dir: str | None = None,
         num_steps: int | None = None,
         activities: list[str] | None = None,
         record_shapes: bool = False,
-        with_stack: bool = False,
+        with_stack: bool = True,
     ) -> list[str]:
         """Profile the engine (every data-parallel worker), as a server's ``/start_profile``: a
         torch.profiler Chrome trace per worker in ``output_dir``, written at ``stop_profile`` or
-        after ``num_steps`` forward passes (the generate calls run them). ``activities``: from
+        after ``num_steps`` forward passes (the generate calls run them; with ``dp_size`` 1, only
+        those of the thread that started it are recorded). ``activities``: from
         ``profiling.ACTIVITIES`` (None: CPU, and GPU on CUDA). The traces' paths."""
         self._open()
         if activities is not None and not isinstance(activities, (list, tuple)):
             raise ValueError(f"activities is {activities!r}; allowed: a list of names, such as ['CPU', 'GPU']")
         where = None if output_dir is None else os.path.abspath(output_dir)
-        spec = ProfileSpec(
-            where,
-            new_profile_name(),
-            None if activities is None else tuple(activities),
-            num_steps,
-            record_shapes,
-            with_stack,
-        )
+        kinds = None if activities is None else tuple(activities)
+        spec = ProfileSpec(where, new_profile_name(), kinds, num_steps, record_shapes, with_stack)
         return self._profile(StartProfile(spec))
 
     def stop_profile(self) -> list[str]:
-        """Stop the profile ``start_profile`` began and write its traces; their paths."""
+        """Stop the profile ``start_profile`` began (or take the one ``num_steps`` ended) once its
+        traces are written; their paths."""
         self._open()
         return self._profile(StopProfile())
 
     def _profile(self, msg: StartProfile | StopProfile) -> list[str]:
         if self.engine is not None:
-            path = (
-                self.engine.profiler.start(msg.spec) if isinstance(msg, StartProfile) else self.engine.profiler.stop()
-            )
+            if isinstance(msg, StartProfile):
+                path = self.engine.profiler.start(msg.spec)
+            else:
+                path = self.engine.profiler.stop().result()
             return [path] if path else []
-        replies = self._workers.loop.run_until_complete(self._workers.workers.client.profile(msg))
+        run = self._workers.loop.run_until_complete
+        replies = run(self._workers.workers.client.profile(msg))
         bad = [r for r in replies if r.error is not None]
         if bad:
             if isinstance(msg, StartProfile) and len(bad) < len(replies):  # not left running where it started
-                self._workers.loop.run_until_complete(self._workers.workers.client.profile(StopProfile()))
+                run(self._workers.workers.client.profile(StopProfile(discard=True)))
             worst = next((r for r in bad if not r.user_error), bad[0])
             raise (ValueError if worst.user_error else RuntimeError)(f"scheduler {worst.rank}: {worst.error}")
         return [r.path for r in replies if r.path]

@@ -10,6 +10,8 @@ import functools
 import logging
 import os
 import time
+import weakref
+from concurrent import futures
 
 import torch
 
@@ -40,6 +42,10 @@ ACTIVITIES = ("CPU", "GPU", "CUDA_PROFILER")
 MAX_PROFILE_STEPS = 1_000_000
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProfileSpec:
     """One profile, as a server's ``/start_profile`` or ``LLM.start_profile`` asks for it. ``name``
@@ -48,18 +54,30 @@ class ProfileSpec:
     output_dir: str | None  # None: CUDA_PROFILER alone writes no file
     name: str
     activities: tuple[str, ...] | None = None  # None: CPU, and GPU on a CUDA device
-    num_steps: int | None = None  # stop after this many forward passes (None: at stop_profile)
+    num_steps: int | None = None  # each worker stops after this many of its forward passes (None: at stop)
     record_shapes: bool = False
-    with_stack: bool = False
+    with_stack: bool = True  # (SGLang's and vLLM's default)
 
     def __post_init__(self):
         given = self.activities
-        if given is not None and (not given or len(set(given)) != len(given) or not set(given) <= set(ACTIVITIES)):
+        if given is not None and (
+            not isinstance(given, tuple)
+            or not given
+            or not all(isinstance(a, str) for a in given)
+            or len(set(given)) != len(given)
+            or not set(given) <= set(ACTIVITIES)
+        ):
+            shown = list(given) if isinstance(given, tuple) else repr(given)
             raise ValueError(
-                f"activities is {list(given)}; allowed: a non-empty list of distinct names from {list(ACTIVITIES)}"
+                f"activities is {shown}; allowed: a non-empty list of distinct names from {list(ACTIVITIES)}"
             )
-        if self.num_steps is not None and not 1 <= self.num_steps <= MAX_PROFILE_STEPS:
-            raise ValueError(f"num_steps is {self.num_steps}; allowed: 1..{MAX_PROFILE_STEPS}, or null (until stopped)")
+        if self.num_steps is not None and not (_is_int(self.num_steps) and 1 <= self.num_steps <= MAX_PROFILE_STEPS):
+            raise ValueError(
+                f"num_steps is {self.num_steps!r}; allowed: an integer 1..{MAX_PROFILE_STEPS}, or null (until stopped)"
+            )
+        for name in ("record_shapes", "with_stack"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is {getattr(self, name)!r}; allowed: true or false")
         if self.output_dir is None and (given is None or {"CPU", "GPU"} & set(given)):
             shown = list(given) if given else "by default (CPU, and GPU on CUDA)"
             raise ValueError(f"activities {shown} write a trace file: an output directory is needed")
@@ -71,10 +89,18 @@ def new_profile_name() -> str:
     return f"profile-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}-{int(now * 1000) % 1000:03d}"
 
 
+def _done(value) -> futures.Future:
+    f: futures.Future = futures.Future()
+    f.set_result(value)
+    return f
+
+
 class StepProfiler:
     """One engine's profile: torch.profiler (with the step ranges above in its trace) and the CUDA
     profiler range, from ``start`` to ``stop`` or to the spec's ``num_steps`` forward passes. One
-    at a time."""
+    at a time. A trace is written in a thread of its own (the engine's loop goes on meanwhile: a
+    long trace takes seconds), under a temporary name and then renamed, so a trace file that exists
+    is whole. It records the thread that started it (where an offline ``LLM`` must generate)."""
 
     def __init__(self, device: torch.device, rank: int = 0):
         self.device, self.rank = device, rank
@@ -82,6 +108,10 @@ class StepProfiler:
         self.path: str | None = None
         self._prof = None
         self._steps = 0
+        self._ended: futures.Future | None = None  # the write of a profile num_steps ended, not yet claimed
+        self._writes: set[futures.Future] = set()
+        self._writer: futures.ThreadPoolExecutor | None = None
+        self._abandon = None  # stops a running torch.profiler if this object goes without stop()
 
     @property
     def active(self) -> bool:
@@ -92,6 +122,8 @@ class StepProfiler:
         what is wrong (one running already, an activity this device has not, a file there)."""
         if self.spec is not None:
             raise ValueError(f"a profile is running already (its trace: {self.path}); stop it first")
+        if torch.autograd._profiler_enabled():  # (a second one would end the first: no trace, or a crash)
+            raise ValueError("another torch.profiler is running in this process; allowed: one at a time")
         cuda = self.device.type == "cuda"
         activities = spec.activities or (("CPU", "GPU") if cuda else ("CPU",))
         if not cuda and ("GPU" in activities or "CUDA_PROFILER" in activities):
@@ -120,7 +152,8 @@ class StepProfiler:
                 if prof is not None:
                     prof.stop()
                 raise
-        self.spec, self.path, self._prof, self._steps = spec, path, prof, 0
+        self.spec, self.path, self._prof, self._steps, self._ended = spec, path, prof, 0, None
+        self._abandon = None if prof is None else weakref.finalize(self, _abandon, prof)
         logger.info("profiling %s%s", list(activities), f" into {path}" if path else "")
         return path
 
@@ -130,23 +163,87 @@ class StepProfiler:
             return
         self._steps += 1
         if self.spec.num_steps is not None and self._steps >= self.spec.num_steps:
+            steps = self._steps
+            try:
+                self._ended = self.stop()
+            except Exception:  # (the engine's step goes on; the log says why)
+                logger.exception("stopping the profile of %d forward passes failed", steps)
+                return
+            self._ended.add_done_callback(lambda f: _log_write(f, steps))
+
+    def stop(self, discard: bool = False) -> futures.Future:
+        """Stop recording now; the trace is written in the background. The future's result is the
+        trace's path (None: no file, or ``discard``), its exception why none was written. After a
+        profile that ``num_steps`` ended, the write of that one. A ValueError when none runs."""
+        if self.spec is None:
+            if self._ended is not None:
+                ended, self._ended = self._ended, None
+                return ended
+            raise ValueError("no profile is running; start one first")
+        spec, path, prof = self.spec, self.path, self._prof
+        self.spec, self.path, self._prof = None, None, None
+        if self._abandon is not None:
+            self._abandon.detach()
+            self._abandon = None
+        if "CUDA_PROFILER" in spec.activities or "GPU" in spec.activities:
+            torch.cuda.synchronize(self.device)  # (the kernels of the last pass, still running with overlap)
+        if "CUDA_PROFILER" in spec.activities:
+            torch.cuda.profiler.stop()
+        if prof is None or discard:
+            if prof is not None:
+                prof.stop()
+            return _done(None)
+        if not torch.autograd._profiler_enabled():
+            # another torch.profiler in this process started and ended since: it took the session
+            # over, and torch would crash on writing this one
+            raise ValueError("another torch.profiler in this process ended this profile; it has no trace")
+        prof.stop()
+        if self._writer is None:
+            self._writer = futures.ThreadPoolExecutor(1, thread_name_prefix="minengine-profile")
+        write = self._writer.submit(_write_trace, prof, path)
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
+        return write
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop a running profile, then wait (up to ``timeout`` s) for the traces being written."""
+        if self.spec is not None:
             try:
                 self.stop()
-            except Exception:  # (a full disk): the engine's step goes on; the log says why
-                logger.exception("writing the profile of %d forward passes failed", self._steps)
+            except Exception:
+                logger.exception("stopping the running profile failed")
+        done, pending = futures.wait(list(self._writes), timeout)
+        for f in done:
+            if f.exception() is not None:
+                logger.error("writing a profile failed: %s", f.exception())
+        if pending:
+            logger.warning("%d profile trace(s) still being written after %s s", len(pending), timeout)
+        if self._writer is not None:
+            self._writer.shutdown(wait=False)  # (its thread ends once what is left is written)
+            self._writer = None
 
-    def stop(self) -> str | None:
-        """Stop recording and write the trace; its path (None: no file). A ValueError when no
-        profile runs."""
-        if self.spec is None:
-            raise ValueError("no profile is running; start one first")
-        spec, path, prof, steps = self.spec, self.path, self._prof, self._steps
-        self.spec, self.path, self._prof = None, None, None
-        if "CUDA_PROFILER" in spec.activities:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.profiler.stop()
-        if prof is not None:
-            prof.stop()
-            prof.export_chrome_trace(path)
-        logger.info("profile of %d forward passes written%s", steps, f" to {path}" if path else "")
-        return path
+
+def _abandon(prof) -> None:
+    with contextlib.suppress(Exception):
+        prof.stop()
+
+
+def _write_trace(prof, path: str) -> str:
+    """The Chrome trace, gzipped: under a temporary name in the same folder, then renamed."""
+    folder, name = os.path.split(path)
+    partial = os.path.join(folder, f".{name[: -len('.json.gz')]}.partial.json.gz")  # (torch gzips a .gz path)
+    try:
+        prof.export_chrome_trace(partial)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
+    return path
+
+
+def _log_write(f: futures.Future, steps: int) -> None:
+    if f.exception() is not None:
+        logger.error("writing the profile of %d forward passes failed: %s", steps, f.exception())
+    else:
+        logger.info("profile of %d forward passes written to %s", steps, f.result())

@@ -4,6 +4,8 @@ a server's ``/start_profile`` (as SGLang's)."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import gzip
 import importlib.util
 import json
@@ -110,30 +112,40 @@ def test_llm_profile_of_num_steps_forward_passes(tmp_path):
     assert path == str(tmp_path / "traces" / Path(path).name) and path.endswith("-rank0.trace.json.gz")
     assert not Path(path).exists()  # (written when it stops)
     llm.generate(["profile me", "and me"], params, use_tqdm=False)  # 12 forward passes, 3 recorded
+    assert not llm.engine.profiler.active
+    assert llm.stop_profile() == [path]  # (the one num_steps ended, once written)
     names = trace_names(path)
     assert set(names) >= STEP_RANGES and names.count("forward") == 3
+    assert [p.name for p in (tmp_path / "traces").iterdir()] == [Path(path).name]  # (no partial file left)
     with pytest.raises(ValueError, match="no profile is running; start one first"):
-        llm.stop_profile()  # (it stopped itself)
-    [second] = llm.start_profile(str(tmp_path / "traces"), activities=["CPU"], record_shapes=True)
+        llm.stop_profile()
+    [second] = llm.start_profile(str(tmp_path / "traces"), activities=["CPU"], record_shapes=True, with_stack=False)
     assert second != path
     with pytest.raises(ValueError, match=r"a profile is running already \(its trace: .*\); stop it first"):
         llm.start_profile(str(tmp_path / "traces"))
     llm.generate(["once more"], params, use_tqdm=False)
     assert llm.stop_profile() == [second] and trace_names(second).count("forward") == 12
     assert llm.generate(["after"], params, use_tqdm=False)[0].outputs[0].token_ids  # (nothing left running)
+    assert not torch.autograd._profiler_enabled()
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_steps": 0}, "num_steps is 0; allowed: 1..1000000, or null (until stopped)"),
-        ({"num_steps": 1_000_001}, "num_steps is 1000001; allowed: 1..1000000"),
+        ({"num_steps": 0}, "num_steps is 0; allowed: an integer 1..1000000, or null (until stopped)"),
+        ({"num_steps": 1_000_001}, "num_steps is 1000001; allowed: an integer 1..1000000"),
+        ({"num_steps": True}, "num_steps is True; allowed: an integer 1..1000000"),
+        ({"num_steps": 2.5}, "num_steps is 2.5; allowed: an integer 1..1000000"),
+        ({"num_steps": "3"}, "num_steps is '3'; allowed: an integer 1..1000000"),
         ({"activities": []}, "activities is []; allowed: a non-empty list of distinct names from ['CPU', 'GPU', "),
         ({"activities": ["CPU", "CPU"]}, "activities is ['CPU', 'CPU']; allowed: a non-empty list of distinct"),
         ({"activities": ["TPU"]}, "activities is ['TPU']; allowed: a non-empty list of distinct names"),
+        ({"activities": [["CPU"]]}, "activities is [['CPU']]; allowed: a non-empty list of distinct names"),
         ({"activities": "CPU"}, "activities is 'CPU'; allowed: a list of names, such as ['CPU', 'GPU']"),
         ({"activities": ["GPU"]}, "activities is ['GPU'], but this engine runs on cpu; allowed here: ['CPU']"),
         ({"activities": ["CUDA_PROFILER"]}, "activities is ['CUDA_PROFILER'], but this engine runs on cpu"),
+        ({"record_shapes": "yes"}, "record_shapes is 'yes'; allowed: true or false"),
+        ({"with_stack": 1}, "with_stack is 1; allowed: true or false"),
         ({"output_dir": None}, "activities by default (CPU, and GPU on CUDA) write a trace file: an output directory"),
     ],
 )
@@ -145,12 +157,45 @@ def test_bad_profiles_name_the_value(tmp_path, kwargs, message):
         llm.start_profile(**{"output_dir": str(tmp_path), **kwargs})
     assert message in str(err.value)
     assert not llm.engine.profiler.active and not list(tmp_path.iterdir())
+    assert not torch.autograd._profiler_enabled()
+
+
+def test_one_torch_profiler_at_a_time(tmp_path):
+    """torch lets a second profiler take the first one's session over, and crashes writing the
+    first (a segfault): neither order is let through."""
+    from minengine import LLM, SamplingParams
+
+    llm = LLM(MODEL)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    running = pytest.raises(ValueError, match="another torch.profiler is running in this process; allowed: one")
+    with torch.profiler.profile(), running:
+        llm.start_profile(str(tmp_path))
+    llm.start_profile(str(tmp_path))
+    with torch.profiler.profile():  # (the caller's own, around a generate)
+        llm.generate(["x"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="another torch.profiler in this process ended this profile; it has no"):
+        llm.stop_profile()
+    assert not llm.engine.profiler.active and not list(tmp_path.iterdir())
+    assert llm.start_profile(str(tmp_path)) and llm.generate(["y"], params, use_tqdm=False)
+    assert trace_names(llm.stop_profile()[0]).count("forward") == 3
+
+
+def test_a_profile_dropped_without_a_stop_ends_its_torch_profiler(tmp_path):
+    from minengine.profiling import ProfileSpec, StepProfiler
+
+    profiler = StepProfiler(torch.device("cpu"))
+    profiler.start(ProfileSpec(str(tmp_path), "p"))
+    assert torch.autograd._profiler_enabled()
+    del profiler
+    gc.collect()
+    assert not torch.autograd._profiler_enabled()
 
 
 def test_a_profile_that_cannot_be_written_does_not_stop_the_engine(tmp_path, monkeypatch, caplog):
     from minengine import LLM, SamplingParams
 
     def full_disk(self, path):
+        Path(path).write_text("half a trace")
         raise OSError(28, "No space left on device")
 
     llm = LLM(MODEL)
@@ -158,10 +203,13 @@ def test_a_profile_that_cannot_be_written_does_not_stop_the_engine(tmp_path, mon
     monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", full_disk)
     [out] = llm.generate(["still answered"], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 5 and not llm.engine.profiler.active
-    assert "writing the profile of 2 forward passes failed" in caplog.text
+    with pytest.raises(OSError, match="No space left on device"):
+        llm.stop_profile()
+    assert wait_for(lambda: "writing the profile of 2 forward passes failed" in caplog.text)
+    assert not list(tmp_path.iterdir())  # (the partial file went)
     llm.start_profile(str(tmp_path))  # (an engine shut down while profiling writes the trace first)
     llm.shutdown()
-    assert "writing the running profile failed" in caplog.text
+    assert "writing a profile failed: [Errno 28] No space left on device" in caplog.text
 
 
 def test_profiles_of_data_parallel_workers(tmp_path):
@@ -173,12 +221,18 @@ def test_profiles_of_data_parallel_workers(tmp_path):
         assert paths[0][: -len("0.trace.json.gz")] == paths[1][: -len("1.trace.json.gz")]  # one name, each rank's
         with pytest.raises(ValueError, match=r"scheduler 0: a profile is running already"):
             llm.start_profile(str(tmp_path))
-        llm.generate(["one", "two", "three", "four"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        llm.generate(["one", "two", "three", "four"], params, use_tqdm=False)
         assert llm.stop_profile() == paths
         for path in paths:  # round-robin: two requests each, 4 tokens, at least 4 forward passes
             assert trace_names(path).count("forward") >= 4
         with pytest.raises(ValueError, match="activities is \\['GPU'\\], but this engine runs on cpu"):
             llm.start_profile(str(tmp_path), activities=["GPU"])
+        # num_steps counts each worker's own passes: one that got no request still runs at the stop
+        paths = llm.start_profile(str(tmp_path), num_steps=2)
+        llm.generate(["only one"], params, use_tqdm=False)
+        assert llm.stop_profile() == paths
+        assert sorted(trace_names(p).count("forward") for p in paths) == [0, 2]
 
 
 def test_server_profiles(tmp_path):
@@ -204,18 +258,20 @@ def test_server_profiles(tmp_path):
         assert r.status_code == 200 and r.json() == {"status": "stopped", "traces": body["traces"]}
         for path in body["traces"]:
             assert trace_names(path).count("forward") >= 4
-        # num_steps: the worker stops and writes it itself
-        r = http.post("/start_profile", json={"num_steps": 2, "activities": ["CPU"], "with_stack": True})
+        # num_steps: each worker stops by itself; /stop_profile then answers with the traces written
+        r = http.post("/start_profile", json={"num_steps": 2, "activities": ["CPU"], "with_stack": False})
         assert r.status_code == 200 and r.json()["num_steps"] == 2
         for _ in range(2):
             http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+        stopped = http.post("/stop_profile")
+        assert stopped.status_code == 200 and stopped.json()["traces"] == r.json()["traces"]
         for path in r.json()["traces"]:
-            assert wait_for(lambda p=path: Path(p).exists()) and trace_names(path).count("forward") == 2
+            assert trace_names(path).count("forward") == 2
         assert http.post("/stop_profile").status_code == 400
         for body, message, param in [
             ({"output_dir": "/tmp"}, "output_dir is not a field minengine's /start_profile takes (the server's", None),
             ({"start_step": 3}, "start_step is not a field minengine's /start_profile takes", "start_step"),
-            ({"num_steps": 0}, "num_steps is 0; allowed: 1..1000000, or null (until stopped)", "num_steps"),
+            ({"num_steps": 0}, "num_steps is 0; allowed: an integer 1..1000000, or null (until stopped)", "num_steps"),
             ({"num_steps": "5"}, "num_steps", "num_steps"),
             ({"activities": ["MEM"]}, "activities is ['MEM']; allowed: a non-empty list of distinct names", None),
             ({"activities": ["GPU"]}, "scheduler 0: activities is ['GPU'], but this engine runs on cpu", None),
@@ -240,8 +296,50 @@ def test_server_profiles(tmp_path):
         with pytest.raises(SystemExit, match="--profile: /start_profile answered 400: .*a profile is running already"):
             bench.main(argv)
         assert http.post("/stop_profile").status_code == 200
+        assert not [p for p in traces.iterdir() if ".partial." in p.name]
     finally:
         stop_server(proc)
+
+
+def test_profile_calls_time_out_and_late_answers_are_dropped(tmp_path, monkeypatch):
+    """A worker that does not answer in time: a TimeoutError naming the wait; its late answer is
+    not taken for the next call's."""
+    import zmq
+
+    from minengine.server import frontend
+    from minengine.server.frontend import SchedulerClient
+    from minengine.server.metrics import Metrics
+    from minengine.server.protocol import ProfileReply, Ready, StopProfile
+
+    monkeypatch.setattr(frontend, "PROFILE_REPLY_SECONDS", 0.3)
+    requests, outputs = f"ipc://{tmp_path}/requests-0", f"ipc://{tmp_path}/outputs"
+
+    async def scenario():
+        client = SchedulerClient([requests], outputs, Metrics())
+        ctx = zmq.Context()
+        inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        inbox.connect(requests)
+        outbox.connect(outputs)
+        try:
+            outbox.send_pyobj(Ready(260, 4096, 65536))
+            await client.start(lambda: True)
+            with pytest.raises(TimeoutError, match="1 scheduler\\(s\\) did not answer StopProfile within 0.3 s"):
+                await client.profile(StopProfile())
+            first = inbox.recv_pyobj(zmq.NOBLOCK)
+            outbox.send_pyobj(ProfileReply(0, first.call, "/late"))  # (the call that timed out)
+            call = asyncio.create_task(client.profile(StopProfile()))
+            await asyncio.sleep(0.1)
+            second = inbox.recv_pyobj(zmq.NOBLOCK)
+            assert second.call == first.call + 1
+            outbox.send_pyobj(ProfileReply(0, second.call, "/answer"))
+            assert [r.path for r in await call] == ["/answer"]
+        finally:
+            client.close()
+            inbox.close(0)
+            outbox.close(0)
+            ctx.term()
+
+    asyncio.run(scenario())
 
 
 def test_profiling_is_off_without_a_folder_and_guarded_by_the_api_key(tmp_path):

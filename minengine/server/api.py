@@ -250,7 +250,7 @@ class ProfileRequest(_NullIsDefault):
     num_steps: int | None = None  # forward passes, then the trace is written (null: until /stop_profile)
     activities: list[str] | None = None  # profiling.ACTIVITIES (null: CPU, and GPU on CUDA)
     record_shapes: bool = False
-    with_stack: bool = False
+    with_stack: bool = True  # (SGLang's and vLLM's default)
 
 
 # --- state ------------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ class ServerState:
         self.client.shutdown()
         if self.inflight:
             self.drained.clear()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # (TimeoutError itself from Python 3.11)
                 await asyncio.wait_for(self.drained.wait(), DRAIN_SECONDS)
 
     def enter(self) -> None:
@@ -464,6 +464,25 @@ def _check_unsupported(req: _Sampling) -> None:
             continue
         allowed = " or ".join(dict.fromkeys(json.dumps(v) for v in off)) or "null"
         raise APIError(400, f"{name} is {_shown(value)}; minengine does not support it (allowed: {allowed})", name)
+
+
+def _check_profiling(state: ServerState) -> None:
+    if state.torch_profiler_dir is None:
+        raise APIError(400, "profiling is off; start the server with --torch-profiler-dir DIR to take profiles")
+
+
+async def _profile_call(state: ServerState, msg: StartProfile | StopProfile) -> list[ProfileReply]:
+    """The workers' answers; a 503 while shutting down, a 504 when they do not answer in time."""
+    if state.shutting_down:
+        raise APIError(503, "shutting down")
+    try:
+        return await state.client.profile(msg)
+    except TimeoutError as exc:
+        raise APIError(504, str(exc)) from None
+    except SchedulerDied:
+        if state.shutting_down:
+            raise APIError(503, "shutting down") from None
+        raise
 
 
 def _profile_failed(replies: list[ProfileReply]) -> None:
@@ -936,10 +955,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def start_profile(raw: Request) -> dict[str, Any]:
         """SGLang's: profile the running engines (every data-parallel worker) until /stop_profile
         or for ``num_steps`` forward passes; a Chrome trace per worker in --torch-profiler-dir."""
+        _check_profiling(state)
         body = await raw.body()
         req = ProfileRequest() if not body.strip() else await off_loop(state, len(body), _parse, body, ProfileRequest)
-        if state.torch_profiler_dir is None:
-            raise APIError(400, "profiling is off; start the server with --torch-profiler-dir DIR to take profiles")
         for name in req.model_extra or {}:
             where = " (the server's --torch-profiler-dir)" if name == "output_dir" else ""
             raise APIError(400, f"{name} is not a field minengine's /start_profile takes{where}", name)
@@ -955,19 +973,19 @@ def build_app(state: ServerState) -> FastAPI:
             )
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
-        replies = await state.client.profile(StartProfile(spec))
+        replies = await _profile_call(state, StartProfile(spec))
         if any(r.error is not None for r in replies):
             if any(r.error is None for r in replies):  # started on some workers: not left running there
-                await state.client.profile(StopProfile())
+                await _profile_call(state, StopProfile(discard=True))
             _profile_failed(replies)
         return {"status": "started", "num_steps": req.num_steps, "traces": [r.path for r in replies if r.path]}
 
     @app.api_route("/stop_profile", methods=["GET", "POST"])
     async def stop_profile() -> dict[str, Any]:
-        """SGLang's: stop the profile /start_profile began and write its traces (their paths)."""
-        if state.torch_profiler_dir is None:
-            raise APIError(400, "profiling is off; start the server with --torch-profiler-dir DIR to take profiles")
-        replies = await state.client.profile(StopProfile())
+        """SGLang's: stop the profile /start_profile began (on a worker that ``num_steps`` stopped,
+        take the trace it wrote) and answer once the traces are written, with their paths."""
+        _check_profiling(state)
+        replies = await _profile_call(state, StopProfile())
         if any(r.error is not None for r in replies):
             _profile_failed(replies)
         return {"status": "stopped", "traces": [r.path for r in replies if r.path]}

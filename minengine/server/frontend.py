@@ -8,6 +8,7 @@ detokenization and stop strings happen here, in the front end, never in the sche
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import pickle
 import threading
@@ -83,6 +84,7 @@ class SchedulerClient:
         self._dispatcher: asyncio.Task | None = None
         self._shutdown_sent = False
         self._profile_lock = asyncio.Lock()  # one profile call at a time
+        self._profile_calls = itertools.count(1)
         self._profile_replies: asyncio.Queue | None = None  # the call's: ProfileReply, or a Fatal
 
     async def start(self, is_alive, timeout: float = 600.0) -> Ready:
@@ -148,26 +150,30 @@ class SchedulerClient:
         return worker
 
     async def profile(self, msg: StartProfile | StopProfile) -> list[ProfileReply]:
-        """Send a profile's start or stop to every worker; their answers, by rank."""
+        """Send a profile's start or stop to every worker; their answers, by rank. A TimeoutError
+        when one does not answer in time (a stop answers once its trace is written)."""
         async with self._profile_lock:
             if self.dead or self._shutdown_sent:
                 raise SchedulerDied(self.dead or "the server is shutting down")
+            msg = replace(msg, call=next(self._profile_calls))
             self._profile_replies = replies = asyncio.Queue()
             try:
                 for sock in self.outboxes:
                     sock.send(pickle.dumps(msg))
                 got: dict[int, ProfileReply] = {}
+                deadline = time.monotonic() + PROFILE_REPLY_SECONDS
                 while len(got) < len(self.outboxes):
                     try:
-                        item = await asyncio.wait_for(replies.get(), PROFILE_REPLY_SECONDS)
-                    except TimeoutError:
-                        raise SchedulerDied(
+                        item = await asyncio.wait_for(replies.get(), max(0.0, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+                        raise TimeoutError(
                             f"{len(self.outboxes) - len(got)} scheduler(s) did not answer {type(msg).__name__} "
-                            f"within {PROFILE_REPLY_SECONDS:.0f} s"
+                            f"within {PROFILE_REPLY_SECONDS:g} s"
                         ) from None
                     if isinstance(item, Fatal):
                         raise SchedulerDied(item.message)
-                    got[item.rank] = item
+                    if item.call == msg.call:  # (a late answer to a call that timed out: dropped)
+                        got[item.rank] = item
             finally:
                 self._profile_replies = None
             return [got[rank] for rank in sorted(got)]
@@ -189,7 +195,7 @@ class SchedulerClient:
                 if isinstance(msg, StepOutput):
                     self._take(msg)
                 elif isinstance(msg, ProfileReply):
-                    if self._profile_replies is not None:  # (a call that timed out: dropped)
+                    if self._profile_replies is not None:
                         self._profile_replies.put_nowait(msg)
                 elif isinstance(msg, Fatal):
                     self._fail(f"scheduler {msg.rank} failed:\n{msg.message}")

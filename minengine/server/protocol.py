@@ -50,20 +50,23 @@ class AbortRequest:
 @dataclass(frozen=True)
 class StartProfile:
     spec: ProfileSpec
+    call: int = 0  # the front end's number for the call, which each ProfileReply repeats
 
 
 @dataclass(frozen=True)
 class StopProfile:
-    pass
+    call: int = 0
+    discard: bool = False  # (a start that failed on another worker: no trace)
 
 
 @dataclass(frozen=True)
 class ProfileReply:
     """A worker's answer to StartProfile / StopProfile: the trace file it writes or wrote (None:
     none), or why not (``error``; ``user_error``: a request that cannot be taken, else a failure
-    such as a folder that cannot be written)."""
+    such as a folder that cannot be written). A stop is answered once its trace is written."""
 
     rank: int
+    call: int
     path: str | None = None
     error: str | None = None
     user_error: bool = True

@@ -21,6 +21,7 @@ import shutil
 import signal
 import time
 import traceback
+from concurrent import futures
 
 import torch
 import zmq
@@ -53,6 +54,7 @@ STARTUP_TIMEOUT = datetime.timedelta(seconds=600)
 PASS_TIMEOUT = datetime.timedelta(seconds=60)
 LATE_SECONDS = 1.0  # after a peer's Shutdown, how long a worker waits for its own (and what came before)
 PENDING_POLL_MS = 1
+PROFILE_POLL_MS = 10  # while a trace is being written: how soon its stop is answered
 
 
 IPC_DIR_PREFIX = "minengine-ipc-"  # the front end's folder of ZMQ sockets (server/workers.py)
@@ -194,8 +196,8 @@ def run_scheduler(
             logger.exception("scheduler %d failed", rank)
             outbox.send_pyobj(Fatal(traceback.format_exc(limit=5), rank))
     finally:
-        if engine is not None and engine.profiler.active:  # (shutdown, or a failure) its trace is written
-            profile_reply(engine, StopProfile(), rank)
+        if engine is not None:  # (shutdown, or a failure) a running profile is written, and those being written
+            engine.profiler.close()
         if driver is not None:
             try:
                 driver.close()
@@ -297,17 +299,33 @@ def _until_shutdown(inbox: zmq.Socket, driver, seconds: float = LATE_SECONDS) ->
     return updates
 
 
-def profile_reply(engine: Engine, msg: StartProfile | StopProfile, rank: int) -> ProfileReply:
-    """Start or stop the engine's profile; the answer for the front end. A profile that fails
-    (torch.profiler's error, a folder that cannot be written) is reported, never the worker's end."""
+def profile_reply(engine: Engine, msg: StartProfile | StopProfile, rank: int) -> futures.Future:
+    """Start or stop the engine's profile; the answer for the front end, done at once for a start
+    and once the trace is written for a stop. A profile that fails (torch.profiler's error, a
+    folder that cannot be written) is reported, never the worker's end."""
+    answer: futures.Future = futures.Future()
     try:
-        path = engine.profiler.start(msg.spec) if isinstance(msg, StartProfile) else engine.profiler.stop()
+        if isinstance(msg, StartProfile):
+            answer.set_result(ProfileReply(rank, msg.call, engine.profiler.start(msg.spec)))
+            return answer
+        written = engine.profiler.stop(discard=msg.discard)
     except ValueError as exc:
-        return ProfileReply(rank, error=str(exc))
+        answer.set_result(ProfileReply(rank, msg.call, error=str(exc)))
+        return answer
     except Exception as exc:
         logger.exception("scheduler %d: %s failed", rank, type(msg).__name__)
-        return ProfileReply(rank, error=f"{type(exc).__name__}: {exc}", user_error=False)
-    return ProfileReply(rank, path)
+        answer.set_result(ProfileReply(rank, msg.call, error=f"{type(exc).__name__}: {exc}", user_error=False))
+        return answer
+
+    def reply(f: futures.Future) -> None:
+        if (exc := f.exception()) is None:
+            answer.set_result(ProfileReply(rank, msg.call, f.result()))
+        else:
+            error = f"writing the trace failed: {type(exc).__name__}: {exc}"
+            answer.set_result(ProfileReply(rank, msg.call, error=error, user_error=False))
+
+    written.add_done_callback(reply)
+    return answer
 
 
 def make_driver(engine: Engine):
@@ -329,6 +347,7 @@ def _serve(
     idle_passes = 0  # passes where no worker could prefill: counted, and sent with the next output
     poller, watched = zmq.Poller(), set()
     poller.register(inbox, zmq.POLLIN)
+    profiling: list[futures.Future] = []  # answers to profile calls, sent once done (a stop: its trace written)
     while os.getppid() == parent_pid:
         updates: list[TokenUpdate] = []
         current = set(driver.sockets())  # a peer's message wakes an idle loop too
@@ -342,6 +361,8 @@ def _serve(
         else:
             idle_ms = IDLE_POLL_MS if lockstep is None else LOCKSTEP_POLL_MS
             timeout = PENDING_POLL_MS if driver.pending() else idle_ms
+            if profiling:
+                timeout = min(timeout, PROFILE_POLL_MS)
         poller.poll(timeout)
         shutdown = False
         while inbox.poll(0):
@@ -353,7 +374,7 @@ def _serve(
             elif isinstance(msg, FailRoom):
                 driver.fail_room(msg)
             elif isinstance(msg, (StartProfile, StopProfile)):
-                outbox.send_pyobj(profile_reply(engine, msg, rank))
+                profiling.append(profile_reply(engine, msg, rank))
             elif isinstance(msg, Shutdown):
                 updates += driver.abort_all()
                 shutdown = True
@@ -367,6 +388,8 @@ def _serve(
         if stopping and not shutdown:  # a peer read its Shutdown a turn before this worker
             updates += _until_shutdown(inbox, driver)
             updates += driver.abort_all()
+        while profiling and profiling[0].done():  # (in the order the calls came)
+            outbox.send_pyobj(profiling.pop(0).result())
         for outcome in engine.drain_delayer_outcomes():  # (the aborts may have ended a wait)
             if outcome.idle:
                 idle_passes += 1
