@@ -847,5 +847,5 @@ def test_bench_serving_spreads_its_streams_over_connection_pools(monkeypatch):
             "--no-progress"]  # fmt: skip
     args, rng = bench.parse_args(argv), random.Random(0)
     prompts = bench.Prompts(None, rng)
-    results, _, _ = asyncio.run(bench.run(args, bench.build_dataset(args, prompts, rng), prompts, random.Random(1)))
+    results, _, _, _ = asyncio.run(bench.run(args, bench.build_dataset(args, prompts, rng), prompts, random.Random(1)))
     assert all(r.ok for r in results) and sorted(streams.values()) == [2] * bench.CLIENT_POOLS
