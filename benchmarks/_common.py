@@ -156,3 +156,22 @@ def timed(fn, device: torch.device, calls: int, repeats: int) -> float:
         sync(device)
         rounds.append((time.perf_counter() - start) / calls * 1e3)
     return statistics.median(rounds)
+
+
+def summarize_spans(spans: list[tuple[float, float]], steps: int) -> dict | None:
+    """From GPU activity intervals (microseconds) over ``steps`` steps: ``idle`` = 1 - busy/window
+    (the window from the first start to the last end), ``busy_ms`` = GPU-busy time per step (the
+    union of the intervals), ``kernels`` = intervals per step. None without intervals."""
+    spans = sorted(spans)
+    if not spans:
+        return None
+    busy, cur_start, cur_end = 0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    busy += cur_end - cur_start
+    window = max(e for _, e in spans) - spans[0][0]
+    return {"idle": 1 - busy / window, "busy_ms": busy / steps / 1e3, "kernels": len(spans) / steps}

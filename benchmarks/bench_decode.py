@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS, header, save, stem
+from _common import RESULTS, header, save, stem, summarize_spans
 from _common import report as make_report
 from bench_offline import model_dir
 
@@ -119,23 +119,6 @@ def trace_steps(llm, steps: int) -> dict | None:
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
     ]
     return summarize_spans(spans, steps)
-
-
-def summarize_spans(spans: list[tuple[float, float]], steps: int) -> dict | None:
-    """``trace_steps``' numbers from GPU activity intervals (microseconds) over ``steps`` steps."""
-    spans = sorted(spans)
-    if not spans:
-        return None
-    busy, cur_start, cur_end = 0, *spans[0]
-    for s, e in spans[1:]:
-        if s > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = s, e
-        else:
-            cur_end = max(cur_end, e)
-    busy += cur_end - cur_start
-    window = spans[-1][1] - spans[0][0]
-    return {"idle": 1 - busy / window, "busy_ms": busy / steps / 1e3, "kernels": len(spans) / steps}
 
 
 def decode_weight_bytes(model: torch.nn.Module, batch: int) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from _common import RESULTS, command, now, save
+from _common import RESULTS, command, now, save, summarize_spans
 from tqdm.asyncio import tqdm
 
 _WORD_TEXT = (
@@ -218,6 +218,27 @@ async def profile(http: httpx.AsyncClient, base_url: str, what: str, body: dict 
         return {"answer": resp.text}
 
 
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # the device rows of torch.profiler's Chrome trace
+
+
+def trace_gpu_time(path: str) -> dict | None:
+    """A worker's trace (a --profile run on this machine): its forward passes, and GPU idle time
+    over the trace's GPU window (``summarize_spans``, per forward pass). None for a trace that
+    cannot be read here (a server on another machine) or has no GPU activity (CPU)."""
+    import gzip
+
+    try:
+        with gzip.open(path, "rt") as f:
+            events = json.load(f)["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    # the host's ranges (the GPU row repeats them as "gpu_user_annotation")
+    passes = sum(e.get("name") == "forward" and e.get("cat") == "user_annotation" for e in events)
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_ACTIVITY and e.get("dur", 0) > 0]
+    got = summarize_spans(spans, max(passes, 1))
+    return None if got is None else {"forward_passes": passes, **got}
+
+
 async def run(args, dataset: list[Request], prompts: Prompts, arrivals: random.Random):
     """(results, seconds, what the server's counters gained during the measured requests, the
     server's answer to --profile's /stop_profile or None).
@@ -361,6 +382,13 @@ def markdown(report: dict) -> str:
     if "profile" in report:
         traces = report["profile"].get("traces") or [report["profile"].get("answer", "")]
         lines += ["", "- profiled (the latencies above include the profiler's cost): " + ", ".join(map(str, traces))]
+        for path, g in (report["profile"].get("gpu") or {}).items():
+            if g:
+                lines.append(
+                    f"- `{Path(path).name}`: GPU idle {100 * g['idle']:.1f}% of its window, "
+                    f"{g['busy_ms']:.2f} ms busy and {g['kernels']:.0f} GPU activities per forward pass "
+                    f"({g['forward_passes']} passes)"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -432,6 +460,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if profiled is not None:  # (the latencies were measured under the profiler)
         report["profile"] = profiled
+        gpu = {p: trace_gpu_time(p) for p in profiled.get("traces") or []}
+        if any(gpu.values()):
+            report["profile"]["gpu"] = gpu
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot:
         report["plots"] = plot(results, args.out, stem)

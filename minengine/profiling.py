@@ -140,6 +140,8 @@ class StepProfiler:
             kinds = [torch.profiler.ProfilerActivity.CPU] if "CPU" in activities else []
             if "GPU" in activities:
                 kinds.append(torch.profiler.ProfilerActivity.CUDA)
+            # (not acc_events=True, which would silence torch's warning that a profile keeps one cycle
+            # (it has one): its events are then parsed at stop, which failed on a stack's bytes)
             prof = torch.profiler.profile(
                 activities=kinds, record_shapes=spec.record_shapes, with_stack=spec.with_stack
             )

@@ -221,6 +221,43 @@ def test_bench_decode_trace_numbers():
     got = bench.summarize_spans(spans, steps=2)
     assert got == {"idle": pytest.approx(0.2), "busy_ms": pytest.approx(0.04), "kernels": 2}
     assert bench.summarize_spans([], steps=2) is None
+    # the window ends at the latest end, which need not be the last-starting interval's
+    assert bench.summarize_spans([(0, 100), (10, 20)], steps=1)["idle"] == 0
+
+
+def test_bench_serving_reads_gpu_idle_time_from_a_profile(tmp_path):
+    """--profile's traces (torch.profiler's Chrome trace, gzipped): forward passes and the GPU's
+    idle share of its window; None where there is nothing to read."""
+    import gzip
+
+    bench = load_bench("bench_serving")
+    events = [
+        {"name": "forward", "ph": "X", "cat": "user_annotation", "ts": 0, "dur": 30},
+        {"name": "forward", "ph": "X", "cat": "user_annotation", "ts": 50, "dur": 30},
+        {"name": "forward", "ph": "X", "cat": "gpu_user_annotation", "ts": 0, "dur": 30},  # (the GPU row's copy)
+        {"name": "gemm", "ph": "X", "cat": "kernel", "ts": 10, "dur": 20},
+        {"name": "copy", "ph": "X", "cat": "gpu_memcpy", "ts": 25, "dur": 10},  # (overlaps the gemm)
+        {"name": "attn", "ph": "X", "cat": "kernel", "ts": 60, "dur": 50},
+        {"name": "cpu op", "ph": "X", "cat": "cpu_op", "ts": 0, "dur": 500},
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = bench.trace_gpu_time(str(path))
+    # busy 25 (10..35) + 50 (60..110) of a 100 us window, over 2 forward passes
+    assert got == {"forward_passes": 2, "idle": pytest.approx(0.25), "busy_ms": pytest.approx(0.0375), "kernels": 1.5}
+    with gzip.open(path, "wt") as f:  # a CPU trace
+        json.dump({"traceEvents": [e for e in events if e["cat"] not in ("kernel", "gpu_memcpy")]}, f)
+    assert bench.trace_gpu_time(str(path)) is None and bench.trace_gpu_time(str(tmp_path / "elsewhere")) is None
+    report = {"profile": {"traces": ["/x/p-rank0.trace.json.gz"], "gpu": {"/x/p-rank0.trace.json.gz": got}}}
+    report.update(config={"dataset": "random"}, server="s", command="c", date="d")
+    latency = {"mean_ms": 1, "median_ms": 1, "p99_ms": 1}
+    report["summary"] = {
+        "completed": 1, "failed": 0, "duration_s": 1.0, "request_throughput": 1.0, "input_token_throughput": 1.0,
+        "output_token_throughput": 1.0, **dict.fromkeys(("ttft", "tpot", "itl", "e2e"), latency),
+    }  # fmt: skip
+    text = bench.markdown(report)
+    assert "- `p-rank0.trace.json.gz`: GPU idle 25.0% of its window, 0.04 ms busy and 2 GPU activities per" in text
 
 
 def test_bench_frontend_smoke(tmp_path):

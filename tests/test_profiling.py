@@ -384,3 +384,25 @@ def test_a_gpu_profile_records_the_kernels_under_cuda_graphs(tmp_path):
     assert [e.get("name") for e in events].count("forward") == 6
     assert any(e.get("cat") == "kernel" for e in events)  # (device work: CUPTI recorded it)
     assert not llm.engine.profiler.active
+
+
+def test_a_worker_answers_a_library_failure_as_a_failure_not_a_bad_request(tmp_path):
+    """Only minengine's own ValueErrors (what the request asked cannot be done) are the caller's
+    error (a 400); a library's (torch's UnicodeDecodeError, a ValueError) is a failure (a 500)."""
+    from types import SimpleNamespace
+
+    from minengine.profiling import StepProfiler
+    from minengine.server.protocol import StopProfile
+    from minengine.server.scheduler_process import profile_reply
+
+    engine = SimpleNamespace(profiler=StepProfiler(torch.device("cpu")))
+    reply = profile_reply(engine, StopProfile(call=7), rank=1).result()
+    assert (reply.rank, reply.call, reply.user_error) == (1, 7, True)
+    assert reply.error == "no profile is running; start one first"
+
+    def torch_fails(discard=False):
+        raise UnicodeDecodeError("utf-8", b"\xe8", 0, 1, "invalid continuation byte")
+
+    engine.profiler.stop = torch_fails
+    reply = profile_reply(engine, StopProfile(call=8), rank=1).result()
+    assert not reply.user_error and reply.error.startswith("UnicodeDecodeError: 'utf-8' codec can't decode")

@@ -309,10 +309,10 @@ def profile_reply(engine: Engine, msg: StartProfile | StopProfile, rank: int) ->
             answer.set_result(ProfileReply(rank, msg.call, engine.profiler.start(msg.spec)))
             return answer
         written = engine.profiler.stop(discard=msg.discard)
-    except ValueError as exc:
-        answer.set_result(ProfileReply(rank, msg.call, error=str(exc)))
-        return answer
     except Exception as exc:
+        if isinstance(exc, ValueError) and _ours(exc):  # (what the request asked cannot be done)
+            answer.set_result(ProfileReply(rank, msg.call, error=str(exc)))
+            return answer
         logger.exception("scheduler %d: %s failed", rank, type(msg).__name__)
         answer.set_result(ProfileReply(rank, msg.call, error=f"{type(exc).__name__}: {exc}", user_error=False))
         return answer
