@@ -289,6 +289,7 @@ class LLM:
     def _profile(self, msg: StartProfile | StopProfile) -> list[str]:
         if self.engine is not None:
             if isinstance(msg, StartProfile):
+                self.engine.profiler.wait_for_writes()  # (one that num_steps ended, say)
                 path = self.engine.profiler.start(msg.spec)
             else:
                 path = self.engine.profiler.stop().result()

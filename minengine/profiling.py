@@ -109,7 +109,7 @@ class StepProfiler:
         self._prof = None
         self._steps = 0
         self._ended: futures.Future | None = None  # the write of a profile num_steps ended, not yet claimed
-        self._writes: set[futures.Future] = set()
+        self._writes: dict[futures.Future, str] = {}  # the traces being written, by their writes
         self._writer: futures.ThreadPoolExecutor | None = None
         self._abandon = None  # stops a running torch.profiler if this object goes without stop()
 
@@ -124,6 +124,12 @@ class StepProfiler:
             raise ValueError(f"a profile is running already (its trace: {self.path}); stop it first")
         if torch.autograd._profiler_enabled():  # (a second one would end the first: no trace, or a crash)
             raise ValueError("another torch.profiler is running in this process; allowed: one at a time")
+        if writing := [path for f, path in list(self._writes.items()) if not f.done()]:
+            # (a profile would record the writer thread's work: a trace with stacks, ten times the events)
+            raise ValueError(
+                f"the last profile's trace is still being written ({', '.join(writing)}); start again once it is "
+                "(its stop answers then)"
+            )
         cuda = self.device.type == "cuda"
         activities = spec.activities or (("CPU", "GPU") if cuda else ("CPU",))
         if not cuda and ("GPU" in activities or "CUDA_PROFILER" in activities):
@@ -203,18 +209,23 @@ class StepProfiler:
         if self._writer is None:
             self._writer = futures.ThreadPoolExecutor(1, thread_name_prefix="minengine-profile")
         write = self._writer.submit(_write_trace, prof, path)
-        self._writes.add(write)
-        write.add_done_callback(self._writes.discard)
+        self._writes[write] = path
+        write.add_done_callback(lambda f: self._writes.pop(f, None))
         return write
+
+    def wait_for_writes(self, timeout: float | None = None) -> None:
+        """Wait (up to ``timeout`` s) for the traces being written (their failures are the stops')."""
+        futures.wait(list(self._writes), timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop a running profile, then wait (up to ``timeout`` s) for the traces being written."""
+        writes = set(self._writes)
         if self.spec is not None:
             try:
-                self.stop()
+                writes.add(self.stop())
             except Exception:
                 logger.exception("stopping the running profile failed")
-        done, pending = futures.wait(list(self._writes), timeout)
+        done, pending = futures.wait(writes, timeout)
         for f in done:
             if f.exception() is not None:
                 logger.error("writing a profile failed: %s", f.exception())

@@ -17,6 +17,8 @@ import pytest
 import torch
 from test_server import MODEL, wait_for
 
+from minengine.profiling import ProfileSpec
+
 
 def load(name: str):
     path = Path(__file__).resolve().parents[1] / "profiles" / f"{name}.py"
@@ -406,3 +408,36 @@ def test_a_worker_answers_a_library_failure_as_a_failure_not_a_bad_request(tmp_p
     engine.profiler.stop = torch_fails
     reply = profile_reply(engine, StopProfile(call=8), rank=1).result()
     assert not reply.user_error and reply.error.startswith("UnicodeDecodeError: 'utf-8' codec can't decode")
+
+
+def test_no_profile_starts_while_the_last_trace_is_written(tmp_path, monkeypatch):
+    """A profile started beside the writer thread would record its work (with stacks, ten times
+    the events): a worker refuses it; the offline LLM waits for the write."""
+    import threading
+
+    from minengine import LLM, SamplingParams
+
+    release = threading.Event()
+    real = torch.profiler.profile.export_chrome_trace
+
+    def slow(self, path):
+        release.wait(30)
+        real(self, path)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", slow)
+    llm = LLM(MODEL)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    profiler = llm.engine.profiler
+    [first] = llm.start_profile(str(tmp_path))
+    llm.generate(["a"], params, use_tqdm=False)
+    written = profiler.stop()
+    with pytest.raises(
+        ValueError, match=r"the last profile's trace is still being written \(.*-rank0\.trace\.json\.gz\)"
+    ):
+        profiler.start(ProfileSpec(str(tmp_path), "next"))
+    assert not written.done() and not Path(first).exists()
+    threading.Timer(0.5, release.set).start()
+    [second] = llm.start_profile(str(tmp_path))  # (waits for the write)
+    assert written.result() == first and Path(first).exists()
+    llm.generate(["b"], params, use_tqdm=False)
+    assert llm.stop_profile() == [second] and trace_names(second).count("forward") == 3
