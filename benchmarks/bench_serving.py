@@ -230,7 +230,7 @@ def trace_gpu_time(path: str) -> dict | None:
     try:
         with gzip.open(path, "rt") as f:
             events = json.load(f)["traceEvents"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, MemoryError):  # (a long trace with stacks: GBs of JSON)
         return None
     # the host's ranges (the GPU row repeats them as "gpu_user_annotation")
     passes = sum(e.get("name") == "forward" and e.get("cat") == "user_annotation" for e in events)

@@ -298,7 +298,7 @@ def test_server_profiles(tmp_path):
         with pytest.raises(SystemExit, match="--profile: /start_profile answered 400: .*a profile is running already"):
             bench.main(argv)
         assert http.post("/stop_profile").status_code == 200
-        assert not [p for p in traces.iterdir() if ".partial." in p.name]
+        assert not [p for p in traces.iterdir() if ".partial" in p.name]
     finally:
         stop_server(proc)
 
@@ -441,3 +441,38 @@ def test_no_profile_starts_while_the_last_trace_is_written(tmp_path, monkeypatch
     assert written.result() == first and Path(first).exists()
     llm.generate(["b"], params, use_tqdm=False)
     assert llm.stop_profile() == [second] and trace_names(second).count("forward") == 3
+
+
+def test_a_profile_is_the_thread_s_that_started_it(tmp_path):
+    """torch.profiler records the thread that started it: passes of another thread are not
+    counted, and a stop from another thread is refused with the profile left as it was."""
+    import threading
+
+    from minengine import LLM, SamplingParams
+
+    llm = LLM(MODEL)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    [path] = llm.start_profile(str(tmp_path), num_steps=2)
+    elsewhere = threading.Thread(target=llm.generate, args=(["a"], params), kwargs={"use_tqdm": False})
+    elsewhere.start()
+    elsewhere.join()
+    assert llm.engine.profiler.active  # (its 4 passes were another thread's)
+    failed = []
+    stopper = threading.Thread(target=lambda: failed.append(pytest.raises(ValueError, llm.stop_profile)))
+    stopper.start()
+    stopper.join()
+    assert "the profile was started on another thread; allowed: stop it on that thread" in str(failed[0].value)
+    assert llm.engine.profiler.active
+    llm.generate(["b"], params, use_tqdm=False)  # (here: 4 passes, the profile stops at 2)
+    assert llm.stop_profile() == [path] and trace_names(path).count("forward") == 2
+
+
+def test_a_discarded_start_does_not_take_the_trace_num_steps_ended(tmp_path):
+    from minengine.profiling import StepProfiler
+
+    profiler = StepProfiler(torch.device("cpu"))
+    profiler.start(ProfileSpec(str(tmp_path), "p", num_steps=1))
+    profiler.forward_pass()
+    with pytest.raises(ValueError, match="no profile is running"):
+        profiler.stop(discard=True)  # (a start that failed on another worker is rolled back)
+    assert profiler.stop().result() == str(tmp_path / "p-rank0.trace.json.gz")
