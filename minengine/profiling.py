@@ -254,9 +254,8 @@ def _abandon(prof) -> None:
 
 def _write_trace(prof, path: str) -> str:
     """The Chrome trace, gzipped, under a temporary name in the same folder, then renamed. torch
-    writes the JSON (holding the GIL: about 1 s a million events); gzip here, in 1 MiB pieces,
-    mostly without it (torch's own ``.gz`` path makes a Python call per line: 4.0 s against 0.6 s
-    for 200k events with stacks)."""
+    writes the JSON (holding the GIL); gzip here, in 1 MiB pieces, mostly without it (torch's own
+    ``.gz`` path makes a Python call per line: 4.0 s against 0.6 s for 200k events with stacks)."""
     folder, name = os.path.split(path)
     raw = os.path.join(folder, f".{name[: -len('.gz')]}.partial")
     partial = raw + ".gz"
