@@ -294,15 +294,12 @@ class LLM:
             else:
                 path = self.engine.profiler.stop().result()
             return [path] if path else []
-        run = self._workers.loop.run_until_complete
-        replies = run(self._workers.workers.client.profile(msg))
-        bad = [r for r in replies if r.error is not None]
-        if bad:
-            if isinstance(msg, StartProfile) and len(bad) < len(replies):  # not left running where it started
-                run(self._workers.workers.client.profile(StopProfile(discard=True)))
-            worst = next((r for r in bad if not r.user_error), bad[0])
-            raise (ValueError if worst.user_error else RuntimeError)(f"scheduler {worst.rank}: {worst.error}")
-        return [r.path for r in replies if r.path]
+        from minengine.server.frontend import ProfileFailed
+
+        try:
+            return self._workers.loop.run_until_complete(self._workers.workers.client.profile_traces(msg))
+        except ProfileFailed as exc:
+            raise (ValueError if exc.user_error else RuntimeError)(str(exc)) from None
 
     def _open(self) -> None:
         if self._closed:

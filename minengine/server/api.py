@@ -29,9 +29,16 @@ from minengine import logprobs as logprob_format
 from minengine.engine import check_prompt, resolve_max_tokens, truncation
 from minengine.profiling import ProfileSpec, new_profile_name
 from minengine.sampling_params import MAX_LOGPROBS, SamplingParams
-from minengine.server.frontend import Piece, RequestFailed, SchedulerClient, SchedulerDied, generate
+from minengine.server.frontend import (
+    Piece,
+    ProfileFailed,
+    RequestFailed,
+    SchedulerClient,
+    SchedulerDied,
+    generate,
+)
 from minengine.server.metrics import Metrics
-from minengine.server.protocol import DECODE_ABORTED, Bootstrap, ProfileReply, StartProfile, StopProfile
+from minengine.server.protocol import DECODE_ABORTED, Bootstrap, StartProfile, StopProfile
 from minengine.server.reasoning import (
     ReasoningStream,
     grammar_after_reasoning,
@@ -471,27 +478,21 @@ def _check_profiling(state: ServerState) -> None:
         raise APIError(400, "profiling is off; start the server with --torch-profiler-dir DIR to take profiles")
 
 
-async def _profile_call(state: ServerState, msg: StartProfile | StopProfile) -> list[ProfileReply]:
-    """The workers' answers; a 503 while shutting down, a 504 when they do not answer in time."""
+async def _profile_call(state: ServerState, msg: StartProfile | StopProfile) -> list[str]:
+    """The traces' paths (``SchedulerClient.profile_traces``): a 400 for what a worker refused, a
+    500 for what failed there, a 503 while shutting down, a 504 when they do not answer in time."""
     if state.shutting_down:
         raise APIError(503, "shutting down")
     try:
-        return await state.client.profile(msg)
+        return await state.client.profile_traces(msg)
+    except ProfileFailed as exc:
+        raise APIError(400 if exc.user_error else 500, str(exc)) from None
     except TimeoutError as exc:
         raise APIError(504, str(exc)) from None
     except SchedulerDied:
         if state.shutting_down:
             raise APIError(503, "shutting down") from None
         raise
-
-
-def _profile_failed(replies: list[ProfileReply]) -> None:
-    """The APIError for the workers' answers that are errors: 400 when the request cannot be
-    taken (each worker says the same), 500 for a failure, with the worker's rank under dp."""
-    bad = [r for r in replies if r.error is not None]
-    worst = next((r for r in bad if not r.user_error), bad[0])
-    who = f"scheduler {worst.rank}: " if len(replies) > 1 else ""
-    raise APIError(400 if worst.user_error else 500, who + worst.error)
 
 
 def _shown(value: Any) -> str:
@@ -973,22 +974,15 @@ def build_app(state: ServerState) -> FastAPI:
             )
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split(" ", 1)[0]) from None
-        replies = await _profile_call(state, StartProfile(spec))
-        if any(r.error is not None for r in replies):
-            if any(r.error is None for r in replies):  # started on some workers: not left running there
-                await _profile_call(state, StopProfile(discard=True))
-            _profile_failed(replies)
-        return {"status": "started", "num_steps": req.num_steps, "traces": [r.path for r in replies if r.path]}
+        traces = await _profile_call(state, StartProfile(spec))
+        return {"status": "started", "num_steps": req.num_steps, "traces": traces}
 
     @app.api_route("/stop_profile", methods=["GET", "POST"])
     async def stop_profile() -> dict[str, Any]:
         """SGLang's: stop the profile /start_profile began (on a worker that ``num_steps`` stopped,
         take the trace it wrote) and answer once the traces are written, with their paths."""
         _check_profiling(state)
-        replies = await _profile_call(state, StopProfile())
-        if any(r.error is not None for r in replies):
-            _profile_failed(replies)
-        return {"status": "stopped", "traces": [r.path for r in replies if r.path]}
+        return {"status": "stopped", "traces": await _profile_call(state, StopProfile())}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -50,6 +50,15 @@ class SchedulerDied(RuntimeError):
     pass
 
 
+class ProfileFailed(RuntimeError):
+    """A profile's start or stop that a worker refused (``user_error``: what was asked cannot be
+    done) or failed at; the message is that worker's."""
+
+    def __init__(self, message: str, user_error: bool):
+        super().__init__(message)
+        self.user_error = user_error
+
+
 class RequestFailed(RuntimeError):
     """The scheduler dropped one request with a reason (a failed KV transfer, a peer's rejection)."""
 
@@ -177,6 +186,20 @@ class SchedulerClient:
             finally:
                 self._profile_replies = None
             return [got[rank] for rank in sorted(got)]
+
+    async def profile_traces(self, msg: StartProfile | StopProfile) -> list[str]:
+        """``profile``, then the traces' paths; a ProfileFailed with the worst answer's error (a
+        failure before a refusal) when a worker did not do it. A start that failed on some workers
+        is discarded on the others, so none is left running."""
+        replies = await self.profile(msg)
+        bad = [r for r in replies if r.error is not None]
+        if not bad:
+            return [r.path for r in replies if r.path]
+        if isinstance(msg, StartProfile) and len(bad) < len(replies):
+            await self.profile(StopProfile(discard=True))
+        worst = next((r for r in bad if not r.user_error), bad[0])
+        who = f"scheduler {worst.rank}: " if len(replies) > 1 else ""
+        raise ProfileFailed(who + worst.error, worst.user_error)
 
     def shutdown(self) -> None:
         """Ask every worker to abort everything and exit; the aborts come back as updates."""
